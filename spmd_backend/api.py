@@ -1,0 +1,275 @@
+"""``spmd_backend.compile``: the full-step front door.
+
+``@compile(gm_transformation=..., parallel_mode=..., module_override=...)`` decorates
+``train_step(model, optim, batch, ...)``. On a call whose :class:`~spmd_backend.tracing.binding.
+StepKey` has no cached graph it traces the whole step (forward, backward, optimizer step,
+zero_grad) into one graph, expands it for data parallelism, applies the module overrides'
+``transform`` and then ``gm_transformation`` exactly once, and caches the result. Every call runs
+the cached graph on the live tensors: parameters, buffers and optimizer state are updated in
+place, so ``model.state_dict()`` and ``optim.state_dict()`` are always the truth.
+
+A call that would create optimizer state (the first step of Adam, SGD with momentum, ...) runs a
+*bootstrap* graph once, untransformed, which creates the state exactly as eager does; the next
+call traces the steady-state graph and transforms that one.
+
+``last_train_step=True`` is consumed here and passed as ``last_iter=True`` to a transformation
+result whose ``forward`` accepts it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from spmd_backend.errors import SpmdUsageError
+from spmd_backend.parallel.data_parallel import (
+    DataParallel,
+    ExpansionReport,
+    expand_data_parallel,
+    sync_module_states,
+)
+from spmd_backend.tracing.binding import StepBinding, StepKey
+from spmd_backend.tracing.overrides import Override
+from spmd_backend.tracing.trace import StepLayout, TracedStep, gather_inputs, trace_train_step
+
+log = logging.getLogger(__name__)
+
+__all__ = ["compile", "CompiledTrainStep", "DataParallel", "Override"]
+
+
+def _accepts_last_iter(runner: Callable[..., Any]) -> bool:
+    target = getattr(runner, "forward", runner)
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.name == "last_iter" or p.kind is inspect.Parameter.VAR_KEYWORD
+        for p in sig.parameters.values()
+    )
+
+
+@dataclass
+class CompiledGraph:
+    """One traced, expanded and (unless bootstrap) transformed graph, ready to run."""
+
+    key: StepKey
+    traced: TracedStep
+    runner: Callable[..., Any]
+    bootstrap: bool
+    takes_last_iter: bool
+    expansion: ExpansionReport
+    compile_seconds: float
+    calls: int = 0
+    hyper_cache: dict = field(default_factory=dict)
+
+    @property
+    def layout(self) -> StepLayout:
+        return self.traced.layout
+
+
+class CompiledTrainStep:
+    """The callable ``spmd_backend.compile`` returns; see the module docstring."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        gm_transformation: Callable[[fx.GraphModule], Callable[..., Any]] | None,
+        parallel_mode: DataParallel,
+        module_override: Sequence[Override],
+    ) -> None:
+        self.fn = fn
+        self.gm_transformation = gm_transformation
+        self.parallel_mode = parallel_mode
+        self.module_override = list(module_override)
+        self._cache: dict[StepKey, CompiledGraph] = {}
+        self._last: CompiledGraph | None = None
+        self._synced_modules: set[int] = set()
+        self.trace_count = 0
+        functools.update_wrapper(self, fn)
+
+    # ----------------------------------------------------------------- introspection
+    @property
+    def graph(self) -> CompiledGraph | None:
+        """The graph the most recent call ran (``None`` before the first call)."""
+        return self._last
+
+    @property
+    def compiled(self) -> Callable[..., Any] | None:
+        """The cached ``gm_transformation`` result of the most recent steady-state graph."""
+        for entry in reversed(list(self._cache.values())):
+            if not entry.bootstrap:
+                return entry.runner
+        return None
+
+    def cache_size(self) -> int:
+        return len(self._cache)
+
+    # ----------------------------------------------------------------- calling
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        last_train_step = bool(kwargs.pop("last_train_step", False))
+        binding = StepBinding.from_call(args, kwargs)
+        key = binding.key()
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(binding, key)
+        return self._run(entry, binding, last_train_step)
+
+    def _compile(self, binding: StepBinding, key: StepKey) -> CompiledGraph:
+        if self._last is not None and not self._last.bootstrap:
+            log.warning(
+                "spmd_backend: retracing %s: %s",
+                getattr(self.fn, "__qualname__", "train_step"),
+                self._last.key.explain(key, binding),
+            )
+        mode = self.parallel_mode
+        pg = mode.process_group()  # fails early, on every rank, without a process group
+        del pg
+        t0 = time.perf_counter()
+        traced = trace_train_step(
+            self.fn,
+            binding,
+            mark_buffers=mode.broadcast_buffers and bool(binding.buffers),
+            overrides=self.module_override,
+            recompile=False,
+        )
+        self.trace_count += 1
+        gm = traced.gm
+        expansion = expand_data_parallel(gm, mode)
+        if mode.sync_module_states and id(binding.module) not in self._synced_modules:
+            sync_module_states(binding.module, mode)
+            self._synced_modules.add(id(binding.module))
+        bootstrap = traced.layout.creates_state
+        runner: Callable[..., Any] = gm
+        if not bootstrap:
+            lay = traced.layout
+            flat_state = gather_inputs(binding, lay)[
+                : lay.n_params + lay.n_buffers + len(lay.state_inputs)
+            ]
+            for override in self.module_override:
+                result = override.transform(gm, flat_state)
+                if isinstance(result, fx.Graph):
+                    result = fx.GraphModule(gm, result)
+                gm = result
+            traced.gm = gm
+            runner = gm
+            if self.gm_transformation is not None:
+                runner = self.gm_transformation(gm)
+        else:
+            log.info(
+                "spmd_backend: the first step creates optimizer state; running it untransformed "
+                "(the transformation applies to the steady-state graph traced next call)"
+            )
+        entry = CompiledGraph(
+            key=key,
+            traced=traced,
+            runner=runner,
+            bootstrap=bootstrap,
+            takes_last_iter=_accepts_last_iter(runner),
+            expansion=expansion,
+            compile_seconds=time.perf_counter() - t0,
+        )
+        if not bootstrap:
+            self._cache[key] = entry
+        log.info(
+            "spmd_backend: traced %s in %.2fs (%d nodes, %d all_reduce, bootstrap=%s)",
+            getattr(self.fn, "__qualname__", "train_step"),
+            traced.trace_seconds,
+            len(traced.gm.graph.nodes),
+            expansion.all_reduces,
+            bootstrap,
+        )
+        return entry
+
+    def _run(self, entry: CompiledGraph, binding: StepBinding, last_train_step: bool) -> Any:
+        layout = entry.layout
+        flat = gather_inputs(binding, layout, entry.hyper_cache)
+        kwargs: dict[str, Any] = {}
+        if last_train_step:
+            if entry.takes_last_iter:
+                kwargs["last_iter"] = True
+            elif not entry.bootstrap:
+                raise SpmdUsageError(
+                    "last_train_step=True was passed, but the compiled graph keeps no work "
+                    "across iterations (its forward takes no `last_iter`); pass it only with a "
+                    "gm_transformation that returns an IterGraphModule"
+                )
+        with torch.no_grad():
+            outs = entry.runner(*flat, **kwargs)
+        entry.calls += 1
+        self._last = entry
+        return self._write_back(entry, binding, list(outs))
+
+    @staticmethod
+    def _write_back(entry: CompiledGraph, binding: StepBinding, outs: list[Any]) -> Any:
+        layout = entry.layout
+        params = binding.params
+        pos = layout.n_user_tensors
+        opt = binding.optimizer
+        if opt is not None:
+            for i in layout.state_touched:
+                opt.state[params[i]]  # defaultdict: the entry exists after a step, as in eager
+            for i, k in layout.state_outputs:
+                opt.state[params[i]][k] = outs[pos]
+                pos += 1
+            for i, k, v in layout.state_consts:
+                opt.state[params[i]][k] = v
+        grads: dict[int, torch.Tensor] = {}
+        for i in layout.grad_outputs:
+            grads[i] = outs[pos]
+            pos += 1
+        for i, p in enumerate(params):
+            g = grads.get(i)
+            if g is None:
+                p.grad = None
+            elif p.grad is not g:
+                p.grad = g
+        leaves = [outs[v] if kind == "tensor" else v for kind, v in layout.out_leaves]
+        return pytree.tree_unflatten(leaves, layout.out_spec)
+
+
+def compile(
+    module_override: Sequence[Override] | None = None,
+    gm_transformation: Callable[[fx.GraphModule], Callable[..., Any]] | None = None,
+    parallel_mode: DataParallel | None = None,
+) -> Callable[[Callable[..., Any]], CompiledTrainStep]:
+    """Compile a whole data-parallel train step; use as ``@compile(...)``.
+
+    ``module_override``: :class:`Override` objects swapping submodules for tracing and
+    transforming the traced graph. ``gm_transformation``: called once per traced graph with the
+    expanded ``fx.GraphModule``; its result is what runs (it must take the same flat inputs and
+    return the same outputs). ``parallel_mode``: :class:`DataParallel` (default: SUM reduction
+    over WORLD, buffers broadcast like DDP).
+    """
+    if parallel_mode is None:
+        parallel_mode = DataParallel()
+    if not isinstance(parallel_mode, DataParallel):
+        raise SpmdUsageError(
+            f"compile(parallel_mode=...): expected a DataParallel, got {type(parallel_mode).__qualname__}"
+        )
+    overrides = list(module_override or [])
+    for o in overrides:
+        if not isinstance(o, Override):
+            raise SpmdUsageError(
+                f"compile(module_override=...): expected Override instances, got {type(o).__qualname__}"
+            )
+
+    def decorator(fn: Callable[..., Any]) -> CompiledTrainStep:
+        return CompiledTrainStep(
+            fn,
+            gm_transformation=gm_transformation,
+            parallel_mode=parallel_mode,
+            module_override=overrides,
+        )
+
+    return decorator

@@ -1,0 +1,164 @@
+"""Op predicates: the single place that decides what kind of node a node is.
+
+Every predicate matches on ``node.op`` and ``node.target`` (op overloads), never on node names,
+so renaming nodes or re-tracing cannot change what a pass sees. Targets are resolved lazily for
+the backend's own marker ops, which are registered by :mod:`spmd_backend.tracing.markers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+#: Functional collectives that produce a tensor which must be waited on.
+COLLECTIVE_TARGETS: frozenset = frozenset(
+    {
+        c10d.all_reduce.default,
+        c10d.all_reduce_coalesced.default,
+        c10d.all_gather_into_tensor.default,
+        c10d.reduce_scatter_tensor.default,
+        c10d.broadcast.default,
+        c10d.all_to_all_single.default,
+    }
+)
+
+ALL_REDUCE_TARGETS: frozenset = frozenset({c10d.all_reduce.default})
+WAIT_TARGETS: frozenset = frozenset({c10d.wait_tensor.default})
+
+#: Functional (out-of-place) fused optimizer kernels; args[0] are params, args[1] gradients.
+FUSED_OPTIMIZER_TARGETS: frozenset = frozenset(
+    {
+        aten._fused_adam.default,
+        aten._fused_adam.tensor_lr,
+        aten._fused_adamw.default,
+        aten._fused_adamw.tensor_lr,
+        aten._fused_sgd.default,
+        aten._fused_sgd.tensor_lr,
+    }
+)
+
+#: In-place fused optimizer kernels (what eager optimizers call).
+INPLACE_FUSED_OPTIMIZER_TARGETS: frozenset = frozenset(
+    {
+        aten._fused_adam_.default,
+        aten._fused_adam_.tensor_lr,
+        aten._fused_adamw_.default,
+        aten._fused_adamw_.tensor_lr,
+        aten._fused_sgd_.default,
+        aten._fused_sgd_.tensor_lr,
+    }
+)
+
+PROFILER_TARGETS: frozenset = frozenset(
+    {
+        torch.ops.profiler._record_function_enter.default,
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    }
+)
+
+
+def _is_call(node: fx.Node, targets: Iterable[object]) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def is_call_to(node: fx.Node, target: object) -> bool:
+    """True when ``node`` calls exactly ``target`` (an op overload or callable)."""
+    return node.op == "call_function" and node.target is target
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A functional collective whose result must be passed through ``wait_tensor``."""
+    return _is_call(node, COLLECTIVE_TARGETS)
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    return _is_call(node, ALL_REDUCE_TARGETS)
+
+
+def is_broadcast(node: fx.Node) -> bool:
+    return is_call_to(node, c10d.broadcast.default)
+
+
+def is_wait(node: fx.Node) -> bool:
+    return _is_call(node, WAIT_TARGETS)
+
+
+def is_fused_optimizer(node: fx.Node) -> bool:
+    """A functional fused optimizer kernel (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``)."""
+    return _is_call(node, FUSED_OPTIMIZER_TARGETS)
+
+
+def is_foreach(node: fx.Node) -> bool:
+    """Any ``aten._foreach_*`` op (functional or in-place)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return node.target.namespace == "aten" and node.target.__name__.startswith("_foreach_")
+
+
+def is_copy_(node: fx.Node) -> bool:
+    return is_call_to(node, aten.copy_.default)
+
+
+def is_getitem(node: fx.Node) -> bool:
+    import operator
+
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def is_profiler_op(node: fx.Node) -> bool:
+    return _is_call(node, PROFILER_TARGETS)
+
+
+def is_detach(node: fx.Node) -> bool:
+    return is_call_to(node, aten.detach.default)
+
+
+def is_placeholder(node: fx.Node) -> bool:
+    return node.op == "placeholder"
+
+
+def is_output(node: fx.Node) -> bool:
+    return node.op == "output"
+
+
+def _marker(name: str) -> object | None:
+    ns = getattr(torch.ops, "spmd_backend", None)
+    if ns is None:
+        return None
+    try:
+        return getattr(ns, name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def is_grad_marker(node: fx.Node) -> bool:
+    """The tracer's ``spmd_backend.grad_ready`` marker: a gradient that just became final."""
+    target = _marker("grad_ready")
+    return target is not None and is_call_to(node, target)
+
+
+def is_buffer_marker(node: fx.Node) -> bool:
+    """The tracer's ``spmd_backend.buffer_sync`` marker: a buffer read at the start of a step."""
+    target = _marker("buffer_sync")
+    return target is not None and is_call_to(node, target)
+
+
+def has_side_effect(node: fx.Node) -> bool:
+    """Nodes dead-code elimination must keep: mutations, collectives, waits, impure calls."""
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op != "call_function":
+        return False
+    if is_collective(node) or is_wait(node) or is_profiler_op(node):
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        if target._schema.is_mutable:
+            return True
+    return bool(getattr(node, "is_impure", lambda: False)())

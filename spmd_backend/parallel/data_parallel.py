@@ -1,0 +1,185 @@
+"""Data-parallel expansion: gradient all_reduce and buffer broadcast inserted into the graph.
+
+Requires a graph from :func:`spmd_backend.tracing.trace.trace_train_step` (``grad_ready`` and,
+optionally, ``buffer_sync`` markers) and an initialized default process group. Guarantees:
+
+* every ``grad_ready(g, fqn)`` marker is replaced, at the same position (where the gradient
+  became final in the backward), by ``wait_tensor(all_reduce(g, op, group))``; a parameter
+  whose gradient is accumulated over several backward calls is reduced once, at its last
+  accumulation. Parameters without a gradient get no collective (DDP with
+  ``find_unused_parameters`` leaves them untouched as well);
+* every ``buffer_sync(b, fqn)`` becomes ``wait_tensor(broadcast(b, 0, group))`` (DDP's
+  ``broadcast_buffers``: all ranks use the group's first rank's buffers);
+* new nodes carry ``meta["val"]`` and the ``comm`` phase with the owning module's FQN.
+
+Sketch for one parameter ``w``::
+
+    before:  mm_3 -> t_4 -> grad_ready(t_4, "fc.weight") -> optimizer
+    after:   mm_3 -> t_4 -> all_reduce(t_4, "sum", g) -> wait_tensor -> optimizer
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
+from spmd_backend.graph import ops
+from spmd_backend.graph.meta import Phase, annotate
+
+log = logging.getLogger(__name__)
+
+c10d = torch.ops._c10d_functional
+_REDUCE_OPS = ("sum", "avg")
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Data-parallel semantics of a compiled step.
+
+    ``reduce_op``: ``"sum"`` (default; compiled gradients are ``world_size`` times DDP's mean)
+    or ``"avg"`` (DDP's mean). ``group``: ``None`` for the default (WORLD) group, a
+    ``ProcessGroup``, or a 1-D ``DeviceMesh``. ``broadcast_buffers``: broadcast module buffers
+    from the group's first rank at the start of every step, as DDP does by default.
+    ``sync_module_states``: broadcast parameters and buffers from the group's first rank before
+    the first step, as DDP's constructor does.
+    """
+
+    reduce_op: str = "sum"
+    group: object = None
+    broadcast_buffers: bool = True
+    sync_module_states: bool = True
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in _REDUCE_OPS:
+            raise SpmdUsageError(
+                f"DataParallel(reduce_op={self.reduce_op!r}): expected one of {_REDUCE_OPS}"
+            )
+
+    def process_group(self) -> dist.ProcessGroup:
+        """The process group collectives run on (checked to exist)."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise SpmdDistributedError(
+                "spmd_backend: data-parallel compilation needs an initialized process group; "
+                "call torch.distributed.init_process_group() first (torchrun sets the "
+                "environment it needs)"
+            )
+        group = self.group
+        if group is None:
+            return dist.group.WORLD  # type: ignore[return-value]
+        if isinstance(group, dist.ProcessGroup):
+            return group
+        mesh_cls = getattr(getattr(dist, "device_mesh", None), "DeviceMesh", None)
+        if mesh_cls is not None and isinstance(group, mesh_cls):
+            if group.ndim != 1:
+                raise SpmdUsageError(
+                    f"DataParallel(group=DeviceMesh): a 1-D mesh is required, got {group.ndim}-D"
+                )
+            return group.get_group()
+        raise SpmdUsageError(
+            "DataParallel(group=...): expected None, a torch.distributed.ProcessGroup or a "
+            f"1-D DeviceMesh, got {type(group).__qualname__}"
+        )
+
+    def group_name(self) -> str:
+        return self.process_group().group_name
+
+    def src_rank(self) -> int:
+        """Global rank of the group's first member (source of broadcasts)."""
+        pg = self.process_group()
+        return dist.get_global_rank(pg, 0) if pg is not dist.group.WORLD else 0
+
+
+@dataclass(frozen=True)
+class ExpansionReport:
+    """What :func:`expand_data_parallel` inserted."""
+
+    all_reduces: int
+    broadcasts: int
+    merged_markers: int
+    group_name: str
+    reduce_op: str
+
+
+def _owner(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _insert_collective(
+    graph: fx.Graph, marker: fx.Node, target: object, args: tuple, name: str
+) -> fx.Node:
+    tensor = marker.args[0]
+    fqn = str(marker.args[1])
+    val = marker.meta.get("val")
+    with graph.inserting_before(marker):
+        comm = graph.create_node("call_function", target, (tensor,) + args, name=name)
+        wait = graph.create_node("call_function", c10d.wait_tensor.default, (comm,), name="wait_tensor")
+    for node in (comm, wait):
+        if val is not None:
+            node.meta["val"] = val
+        annotate(node, fqn=_owner(fqn), phase=Phase.COMM)
+    marker.replace_all_uses_with(wait)
+    graph.erase_node(marker)
+    return comm
+
+
+def expand_data_parallel(
+    gm: fx.GraphModule, mode: DataParallel, *, recompile: bool = True
+) -> ExpansionReport:
+    """Replace the tracer's markers in ``gm`` by collectives on ``mode``'s process group."""
+    graph = gm.graph
+    group_name = mode.group_name()
+    grad_markers: dict[str, list[fx.Node]] = {}
+    buffer_markers: list[fx.Node] = []
+    for node in graph.nodes:
+        if ops.is_grad_marker(node):
+            grad_markers.setdefault(str(node.args[1]), []).append(node)
+        elif ops.is_buffer_marker(node):
+            buffer_markers.append(node)
+
+    merged = 0
+    n_reduce = 0
+    for markers in grad_markers.values():
+        *earlier, last = markers
+        for m in earlier:  # accumulated again later: reduce the total once
+            m.replace_all_uses_with(m.args[0])
+            graph.erase_node(m)
+            merged += 1
+        _insert_collective(
+            graph, last, c10d.all_reduce.default, (mode.reduce_op, group_name), "all_reduce"
+        )
+        n_reduce += 1
+    for m in buffer_markers:
+        _insert_collective(graph, m, c10d.broadcast.default, (0, group_name), "broadcast")
+    graph.lint()
+    if recompile:
+        gm.recompile()
+    report = ExpansionReport(
+        all_reduces=n_reduce,
+        broadcasts=len(buffer_markers),
+        merged_markers=merged,
+        group_name=group_name,
+        reduce_op=mode.reduce_op,
+    )
+    log.debug("data-parallel expansion: %s", report)
+    return report
+
+
+def sync_module_states(module: torch.nn.Module, mode: DataParallel) -> None:
+    """Broadcast parameters and buffers from the group's first rank (DDP's constructor)."""
+    pg = mode.process_group()
+    if dist.get_world_size(pg) == 1:
+        return
+    src = mode.src_rank()
+    seen: set[int] = set()
+    with torch.no_grad():
+        tensors = [*module.parameters(), *module.buffers()]
+        for t in tensors:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            dist.broadcast(t.detach(), src=src, group=pg)

@@ -1,0 +1,20 @@
+"""The pass-development harness: multi-rank runner, fake process group, DDP parity checks.
+
+Library code never imports this package; tests, tools and examples do.
+"""
+
+from spmd_backend.testing.fake_pg import fake_process_group
+from spmd_backend.testing.parity import OptimSpec, ParityCase, ParityResult, check_ddp_parity
+from spmd_backend.testing.ranks import RankFailure, RankPool, RankTimeoutError, run_on_ranks
+
+__all__ = [
+    "fake_process_group",
+    "OptimSpec",
+    "ParityCase",
+    "ParityResult",
+    "check_ddp_parity",
+    "RankFailure",
+    "RankPool",
+    "RankTimeoutError",
+    "run_on_ranks",
+]

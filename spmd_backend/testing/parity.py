@@ -1,0 +1,200 @@
+"""Compare a compiled train step with DDP, inside a multi-rank job.
+
+:func:`check_ddp_parity` is meant to run on every rank (``RankPool.run(check_ddp_parity,
+case)``): it builds a registered model twice from the same seed, wraps one copy in DDP, trains
+both for ``case.steps`` steps on rank-dependent batches (so that skipping the gradient
+collectives changes the result), and asserts that parameters, buffers and optimizer state match
+under ``torch.testing.assert_close``'s fp32 tolerances. With the default SUM reduction the DDP
+side multiplies its averaged gradients by ``world_size`` before stepping, as the upstream seed
+test does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import spmd_backend
+from spmd_backend.parallel.data_parallel import DataParallel
+from spmd_backend.testing.models import MODELS, ModelEntry
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """A picklable description of an optimizer (and optional LR schedule)."""
+
+    kind: str = "adam"  # sgd | adam | adamw
+    impl: str = "foreach"  # foreach | fused | single
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    capturable: bool = False
+    param_groups: int = 1
+    scheduler: bool = False
+
+    def label(self) -> str:
+        bits = [self.kind, self.impl]
+        if self.momentum:
+            bits.append(f"m{self.momentum}")
+        if self.nesterov:
+            bits.append("nesterov")
+        if self.weight_decay:
+            bits.append(f"wd{self.weight_decay}")
+        if self.capturable:
+            bits.append("capturable")
+        if self.param_groups > 1:
+            bits.append(f"{self.param_groups}groups")
+        if self.scheduler:
+            bits.append("sched")
+        return "-".join(bits)
+
+    def build(
+        self, model: nn.Module, *, reference: bool = False
+    ) -> tuple[torch.optim.Optimizer, Any]:
+        """The optimizer (and scheduler or None). ``reference`` builds the eager/DDP twin,
+        which drops ``capturable`` where eager cannot run it (CPU, non-fused)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.param_groups > 1:
+            half = max(1, len(params) // 2)
+            groups: list[dict[str, Any]] = [
+                {"params": params[:half]},
+                {"params": params[half:], "lr": self.lr * 0.5, "weight_decay": self.weight_decay * 2},
+            ]
+        else:
+            groups = [{"params": params}]
+        kwargs: dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
+        if self.impl == "fused":
+            kwargs["fused"] = True
+        else:
+            kwargs["foreach"] = self.impl == "foreach"
+        if self.kind == "sgd":
+            kwargs.update(momentum=self.momentum, nesterov=self.nesterov)
+            opt: torch.optim.Optimizer = torch.optim.SGD(groups, **kwargs)
+        else:
+            capturable = self.capturable
+            on_cpu = all(p.device.type == "cpu" for p in params)
+            if reference and on_cpu and self.impl != "fused":
+                capturable = False
+            kwargs["capturable"] = capturable
+            cls = torch.optim.Adam if self.kind == "adam" else torch.optim.AdamW
+            opt = cls(groups, **kwargs)
+        sched = None
+        if self.scheduler:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
+        return opt, sched
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    """One parity experiment: model x optimizer x reduction x optional transformation."""
+
+    model: str
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    steps: int = 10
+    reduce_op: str = "sum"
+    transformation: Callable[[Any], Any] | None = None
+    seed: int = 0
+
+    def label(self) -> str:
+        t = getattr(self.transformation, "__name__", None)
+        return f"{self.model}/{self.optim.label()}/{self.reduce_op}" + (f"/{t}" if t else "")
+
+
+@dataclass
+class ParityResult:
+    """What one rank measured: largest differences and the loss trajectory."""
+
+    label: str
+    max_param_diff: float
+    max_state_diff: float
+    losses: list[float]
+    traces: int
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
+    torch.testing.assert_close(a, b, msg=lambda m: f"{what}: {m}")
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def make_train_step(entry: ModelEntry) -> Callable[..., torch.Tensor]:
+    """The canonical eager step: loss, backward, optimizer step, zero_grad; returns the loss."""
+
+    def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
+        loss = entry.loss(model, batch)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    return train_step
+
+
+def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResult:
+    """Train a compiled step and DDP side by side; assert they agree (run on every rank)."""
+    entry = MODELS[case.model]
+    torch.manual_seed(case.seed)
+    model = entry.build()
+    ref_model = copy.deepcopy(model)
+    ddp = DDP(ref_model, find_unused_parameters=entry.find_unused_parameters)
+    opt, sched = case.optim.build(model)
+    ref_opt, ref_sched = case.optim.build(ref_model, reference=True)
+
+    step = spmd_backend.compile(
+        gm_transformation=case.transformation,
+        parallel_mode=DataParallel(reduce_op=case.reduce_op),
+    )(make_train_step(entry))
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    losses: list[float] = []
+    for _ in range(case.steps):
+        batch = entry.batch(gen)
+        loss = step(model, opt, batch)
+        losses.append(float(loss))
+        ref_loss = entry.loss(ddp, batch)
+        ref_loss.backward()
+        if case.reduce_op == "sum":
+            with torch.no_grad():
+                for p in ref_model.parameters():
+                    if p.grad is not None:
+                        p.grad *= world_size
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if sched is not None:
+            sched.step()
+            ref_sched.step()
+
+    max_p = 0.0
+    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        max_p = max(max_p, _compare(p.detach(), q.detach(), f"{case.label()} parameter {name}"))
+        if (p.grad is None) != (q.grad is None):
+            raise AssertionError(f"{case.label()}: .grad of {name} is {p.grad} vs DDP {q.grad}")
+    for (name, b), (_, c) in zip(model.named_buffers(), ref_model.named_buffers()):
+        _compare(b, c, f"{case.label()} buffer {name}")
+    max_s = 0.0
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    if set(sd["state"]) != set(ref_sd["state"]):
+        raise AssertionError(
+            f"{case.label()}: optimizer state for params {sorted(sd['state'])} vs DDP "
+            f"{sorted(ref_sd['state'])}"
+        )
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            rv = ref_sd["state"][idx][k]
+            if isinstance(v, torch.Tensor):
+                max_s = max(max_s, _compare(v.to(rv.device), rv, f"{case.label()} state[{idx}][{k}]"))
+            elif v != rv:
+                raise AssertionError(f"{case.label()}: state[{idx}][{k}] {v} vs DDP {rv}")
+    for g, rg in zip(sd["param_groups"], ref_sd["param_groups"]):
+        if g["lr"] != rg["lr"]:
+            raise AssertionError(f"{case.label()}: lr {g['lr']} vs DDP {rg['lr']}")
+    return ParityResult(
+        label=case.label(), max_param_diff=max_p, max_state_diff=max_s, losses=losses,
+        traces=step.trace_count,
+    )

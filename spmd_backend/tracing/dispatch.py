@@ -1,0 +1,117 @@
+"""The tracer's dispatch mode: rewrites ops that cannot be functionalized and annotates nodes.
+
+:class:`TraceMode` sits on top of the mode stack during a full-step trace (above
+``FunctionalTensorMode`` and make_fx's proxy mode). For every aten op the step runs it
+
+* rewrites in-place fused optimizer kernels into their functional form plus ``copy_``
+  (:mod:`spmd_backend.tracing.fused_optim`), and
+* stamps every fx node created while that op was dispatched with the phase and owning-module
+  FQN reported by a :class:`TraceContext` (see :mod:`spmd_backend.graph.meta`).
+
+Nodes are found by walking the traced graph from its last node before the op to its last node
+after it, so annotation costs O(new nodes) and survives functionalization (functional replays
+are created inside the same dispatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spmd_backend.graph.meta import Phase, annotate
+from spmd_backend.tracing.fused_optim import INPLACE_TO_FUNCTIONAL, functional_fused_step
+
+
+@dataclass
+class TraceContext:
+    """Where the traced step currently is; consulted once per dispatched op.
+
+    ``in_optimizer`` is toggled by optimizer step hooks; ``fqn_provider`` returns the owning
+    module FQN for the current op (``None`` when unknown) and ``phase_provider`` may refine the
+    phase (for example to ``recompute``); both are optional.
+    """
+
+    in_optimizer: bool = False
+    optimizer_fqn: str | None = None
+    fqn_provider: Callable[[], str | None] | None = None
+    phase_provider: Callable[[Phase], Phase] | None = None
+    op_count: int = 0
+    unannotated: list[fx.Node] = field(default_factory=list)
+
+    def phase(self) -> Phase:
+        if self.in_optimizer:
+            base = Phase.OPTIMIZER
+        elif torch._C._current_graph_task_id() != -1:
+            base = Phase.BACKWARD
+        else:
+            base = Phase.FORWARD
+        return self.phase_provider(base) if self.phase_provider is not None else base
+
+    def fqn(self) -> str | None:
+        if self.in_optimizer:
+            return self.optimizer_fqn
+        return self.fqn_provider() if self.fqn_provider is not None else None
+
+
+aten = torch.ops.aten
+
+#: ``scalar ** tensor`` ops: in an optimizer these are bias corrections ``beta ** step``.
+_SCALAR_POW = frozenset({aten.pow.Scalar, aten._foreach_pow.ScalarAndTensor})
+
+
+def _upcast_steps(exponent: object) -> object:
+    """Step counts as float64, so ``1 - beta2 ** step`` keeps eager's double precision.
+
+    Eager (non-capturable) optimizers compute bias corrections on Python doubles; the tensor
+    form computes them on the float32 step tensor, where ``1 - 0.999 ** 1`` loses five digits
+    (a 1e-5 relative error in Adam's first updates). Only 0-dim low-precision exponents are
+    upcast; the result is rounded back to the parameter dtype where it meets the parameters.
+    """
+    if isinstance(exponent, torch.Tensor):
+        if exponent.dim() == 0 and exponent.is_floating_point() and exponent.dtype != torch.float64:
+            return exponent.to(torch.float64)
+        return exponent
+    if isinstance(exponent, (list, tuple)):
+        return [_upcast_steps(e) for e in exponent]
+    return exponent
+
+
+class TraceMode(TorchDispatchMode):
+    """Rewrite untraceable ops and annotate the nodes each op creates."""
+
+    def __init__(self, ctx: TraceContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self._graph: fx.Graph | None = None
+
+    def __enter__(self) -> TraceMode:
+        proxy_mode = get_proxy_mode()
+        self._graph = proxy_mode.tracer.graph if proxy_mode is not None else None
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        self.ctx.op_count += 1
+        graph = self._graph
+        last = graph._root.prev if graph is not None else None
+        if func in INPLACE_TO_FUNCTIONAL:
+            functional_fused_step(func, args, kwargs)
+            out = None
+        elif self.ctx.in_optimizer and func in _SCALAR_POW:
+            out = func(args[0], _upcast_steps(args[1]), **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if graph is not None and last is not None:
+            node = last.next
+            if node is not graph._root:
+                phase = self.ctx.phase()
+                fqn = self.ctx.fqn()
+                while node is not graph._root:
+                    annotate(node, fqn=fqn, phase=phase)
+                    node = node.next
+        return out

@@ -1,0 +1,96 @@
+"""Make torch's fused optimizer kernels traceable into a functional graph.
+
+torch 2.13 ships meta kernels only for ``_fused_adam(_).default`` and ``_fused_adamw_.default``.
+Tracing a fused optimizer with a tensor learning rate (which we need, so the graph reads the
+current lr instead of baking it in) and functionalizing it needs two more things:
+
+1. Meta kernels for the functional variants ``_fused_adam.tensor_lr``, ``_fused_adamw[.tensor_lr]``
+   and ``_fused_sgd[.tensor_lr]``. They are registered once, process-wide, and only where torch
+   has none (a later torch that ships them wins).
+2. A rewrite of the in-place kernels (``_fused_adam_`` ...) into the functional kernel followed by
+   ``copy_`` into each mutated list. Functionalizing the in-place kernels directly fails when a
+   list argument is empty (``max_exp_avg_sqs`` without amsgrad). :data:`INPLACE_TO_FUNCTIONAL`
+   drives the rewrite; :class:`spmd_backend.tracing.dispatch.TraceMode` applies it.
+
+Importing this module has the registration side effect and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+aten = torch.ops.aten
+
+#: in-place op -> (functional op, number of leading tensor-list arguments it mutates)
+INPLACE_TO_FUNCTIONAL: dict = {
+    aten._fused_adam_.default: (aten._fused_adam.default, 5),
+    aten._fused_adam_.tensor_lr: (aten._fused_adam.tensor_lr, 5),
+    aten._fused_adamw_.default: (aten._fused_adamw.default, 5),
+    aten._fused_adamw_.tensor_lr: (aten._fused_adamw.tensor_lr, 5),
+    aten._fused_sgd_.default: (aten._fused_sgd.default, 3),
+    aten._fused_sgd_.tensor_lr: (aten._fused_sgd.tensor_lr, 3),
+}
+
+
+def _empty_like_lists(lists: Sequence[Sequence[torch.Tensor]]) -> tuple:
+    return tuple([torch.empty_like(t) for t in lst] for lst in lists)
+
+
+def _adam_family_meta(
+    self: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    **kwargs: object,
+) -> tuple:
+    return _empty_like_lists([self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs])
+
+
+def _sgd_meta(
+    self: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffer_list: list[torch.Tensor],
+    **kwargs: object,
+) -> tuple:
+    return _empty_like_lists([self, grads, momentum_buffer_list])
+
+
+_META_KERNELS = {
+    "_fused_adam.tensor_lr": _adam_family_meta,
+    "_fused_adamw": _adam_family_meta,
+    "_fused_adamw.tensor_lr": _adam_family_meta,
+    "_fused_sgd": _sgd_meta,
+    "_fused_sgd.tensor_lr": _sgd_meta,
+}
+
+_LIBRARY: torch.library.Library | None = None
+
+
+def register_meta_kernels() -> list[str]:
+    """Register the missing meta kernels once; returns the names registered by this call."""
+    global _LIBRARY
+    registered: list[str] = []
+    for name, kernel in _META_KERNELS.items():
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+            continue
+        if _LIBRARY is None:
+            _LIBRARY = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - kept alive here
+        _LIBRARY.impl(name, kernel, "Meta")
+        registered.append(name)
+    return registered
+
+
+def functional_fused_step(func: object, args: tuple, kwargs: dict) -> None:
+    """Run an in-place fused optimizer op as functional op + ``copy_`` into its mutated lists."""
+    functional, n_mutated = INPLACE_TO_FUNCTIONAL[func]
+    outs = functional(*args, **kwargs)
+    for dst_list, src_list in zip(args[:n_mutated], outs):
+        for dst, src in zip(dst_list, src_list):
+            dst.copy_(src)
+
+
+register_meta_kernels()

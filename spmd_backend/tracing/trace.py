@@ -1,0 +1,543 @@
+"""Trace a whole train step (forward, backward, optimizer step, zero_grad) into one fx graph.
+
+Requires: a :class:`~spmd_backend.tracing.binding.StepBinding` of the call (one module, at most
+one optimizer). Guarantees: the returned :class:`TracedStep` holds a functional aten-level
+``fx.GraphModule`` with flat tensor inputs and a flat output list, traced under fake tensors (no
+real compute), whose inputs are, in order::
+
+    params | buffers | optimizer state | lifted hyper-parameters | existing .grad | tensor args
+
+and whose outputs are::
+
+    user-returned tensors | optimizer state created or replaced by the step | final .grad values
+
+Writes to inputs (parameter and state updates, BatchNorm statistics, in-place accumulation into
+an existing .grad) are ``aten.copy_`` nodes into the placeholders at the end of the graph, so
+running the graph on the real tensors updates them in place. Every parameter gradient passes
+through a ``spmd_backend::grad_ready`` marker where it becomes final (a post-accumulate-grad
+hook); with ``mark_buffers`` every buffer passes through ``spmd_backend::buffer_sync`` before the
+step reads it. Every node carries a phase annotation (:mod:`spmd_backend.graph.meta`).
+
+The optimizer is traced in its capturable, tensor-lr form (``torch.compiler.is_compiling()`` is
+reported true while ``step()`` runs): no ``.item()`` on step counts and the learning rate is a
+graph input, so an LR scheduler is honoured without retracing. The user's module and optimizer
+are swapped back in a ``finally`` block whatever happens.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils import stateless
+
+from spmd_backend.errors import SpmdTraceError, SpmdUsageError
+from spmd_backend.graph import ops
+from spmd_backend.graph.meta import Phase, annotate, annotated, get_phase
+from spmd_backend.tracing.binding import LIFTED_HYPERPARAMETERS, StepBinding
+from spmd_backend.tracing.dispatch import TraceContext, TraceMode
+from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_READY
+from spmd_backend.tracing.overrides import Override, swapped_submodules
+
+log = logging.getLogger(__name__)
+
+_CONST_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+
+
+@dataclass
+class StepLayout:
+    """How the flat graph inputs and outputs map to the live objects of a call."""
+
+    n_params: int
+    n_buffers: int
+    state_inputs: list[tuple[int, str]]
+    hyper_inputs: list[tuple[int, str]]
+    grad_inputs: list[int]
+    arg_inputs: list[int]
+    out_spec: Any = None
+    out_leaves: list[tuple[str, Any]] = field(default_factory=list)
+    n_user_tensors: int = 0
+    state_outputs: list[tuple[int, str]] = field(default_factory=list)
+    state_consts: list[tuple[int, str, Any]] = field(default_factory=list)
+    state_touched: list[int] = field(default_factory=list)
+    grad_outputs: list[int] = field(default_factory=list)
+    creates_state: bool = False
+    n_grad_markers: int = 0
+
+    @property
+    def n_inputs(self) -> int:
+        return (
+            self.n_params
+            + self.n_buffers
+            + len(self.state_inputs)
+            + len(self.hyper_inputs)
+            + len(self.grad_inputs)
+            + len(self.arg_inputs)
+        )
+
+    def input_kinds(self) -> list[str]:
+        """The kind of every placeholder, in order (``param``, ``buffer``, ``state``, ...)."""
+        return (
+            ["param"] * self.n_params
+            + ["buffer"] * self.n_buffers
+            + ["state"] * len(self.state_inputs)
+            + ["hyper"] * len(self.hyper_inputs)
+            + ["grad"] * len(self.grad_inputs)
+            + ["arg"] * len(self.arg_inputs)
+        )
+
+
+@dataclass
+class TracedStep:
+    """A traced train step: the graph, its input/output layout and how long tracing took."""
+
+    gm: fx.GraphModule
+    layout: StepLayout
+    trace_seconds: float
+    placeholder_names: list[str]
+
+
+def _to_fun(t: torch.Tensor) -> torch.Tensor:
+    return FunctionalTensor.to_functional(t)
+
+
+def _from_fun(t: torch.Tensor) -> torch.Tensor:
+    torch._sync(t)
+    return torch._from_functional_tensor(t.elem)
+
+
+def _is_fun(t: object) -> bool:
+    return isinstance(t, FunctionalTensor)
+
+
+def _sanitize(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _hyper_tensor(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.tensor(float(value), dtype=torch.get_default_dtype(), device=device)
+
+
+def gather_hyperparameters(
+    optimizer: torch.optim.Optimizer | None, hyper_inputs: Sequence[tuple[int, str]],
+    cache: dict[tuple[int, str], tuple[Any, torch.Tensor]] | None = None,
+) -> list[torch.Tensor]:
+    """The current values of the lifted hyper-parameters, as tensors (cached by value)."""
+    out: list[torch.Tensor] = []
+    assert optimizer is not None or not hyper_inputs
+    for g, k in hyper_inputs:
+        group = optimizer.param_groups[g]  # type: ignore[union-attr]
+        value = group[k]
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+            continue
+        if cache is not None:
+            hit = cache.get((g, k))
+            if hit is not None and hit[0] == value:
+                out.append(hit[1])
+                continue
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        t = _hyper_tensor(value, device)
+        if cache is not None:
+            cache[(g, k)] = (value, t)
+        out.append(t)
+    return out
+
+
+def plan_inputs(binding: StepBinding) -> tuple[StepLayout, list[torch.Tensor]]:
+    """The input half of the layout and the real tensors to feed, for ``binding``."""
+    opt = binding.optimizer
+    state_inputs: list[tuple[int, str]] = []
+    hyper_inputs: list[tuple[int, str]] = []
+    if opt is not None:
+        for i, p in enumerate(binding.params):
+            st = opt.state.get(p)
+            if not st:
+                continue
+            for k in sorted(st.keys(), key=str):
+                if isinstance(st[k], torch.Tensor):
+                    state_inputs.append((i, k))
+        for g, group in enumerate(opt.param_groups):
+            if not group["params"]:
+                continue
+            for k in sorted(group.keys()):
+                if k in LIFTED_HYPERPARAMETERS or (
+                    k != "params" and isinstance(group[k], torch.Tensor)
+                ):
+                    hyper_inputs.append((g, k))
+    grad_inputs = [i for i, p in enumerate(binding.params) if p.grad is not None]
+    arg_inputs = [j for j, a in enumerate(binding.flat_args) if isinstance(a, torch.Tensor)]
+    layout = StepLayout(
+        n_params=len(binding.params),
+        n_buffers=len(binding.buffers),
+        state_inputs=state_inputs,
+        hyper_inputs=hyper_inputs,
+        grad_inputs=grad_inputs,
+        arg_inputs=arg_inputs,
+    )
+    return layout, gather_inputs(binding, layout)
+
+
+def gather_inputs(
+    binding: StepBinding,
+    layout: StepLayout,
+    hyper_cache: dict[tuple[int, str], tuple[Any, torch.Tensor]] | None = None,
+) -> list[torch.Tensor]:
+    """The real tensors, in placeholder order, for one call that matches ``layout``."""
+    opt = binding.optimizer
+    params = binding.params
+    flat: list[torch.Tensor] = list(params)
+    flat.extend(binding.buffers)
+    if layout.state_inputs:
+        state = opt.state  # type: ignore[union-attr]
+        flat.extend(state[params[i]][k] for i, k in layout.state_inputs)
+    flat.extend(gather_hyperparameters(opt, layout.hyper_inputs, hyper_cache))
+    flat.extend(params[i].grad for i in layout.grad_inputs)  # type: ignore[misc]
+    args = binding.flat_args
+    flat.extend(args[j] for j in layout.arg_inputs)
+    return flat
+
+
+@contextlib.contextmanager
+def _optimizer_swapped(
+    opt: torch.optim.Optimizer,
+    f_params: list[torch.Tensor],
+    index: dict[int, int],
+    f_state: dict[int, dict[str, Any]],
+    f_hyper: dict[tuple[int, str], torch.Tensor],
+    ctx: TraceContext,
+) -> Iterator[collections.defaultdict]:
+    """Point the optimizer at the lifted tensors for the trace; always restore it."""
+    saved_groups = [dict(g) for g in opt.param_groups]
+    saved_state = opt.state
+    new_state: collections.defaultdict = collections.defaultdict(dict)
+    for i, entries in f_state.items():
+        new_state[f_params[i]] = dict(entries)
+    saved_flag = torch.compiler._is_compiling_flag
+
+    def pre_hook(*_: object) -> None:
+        ctx.in_optimizer = True
+        torch.compiler._is_compiling_flag = True
+
+    def post_hook(*_: object) -> None:
+        ctx.in_optimizer = False
+        torch.compiler._is_compiling_flag = saved_flag
+
+    handles = [opt.register_step_pre_hook(pre_hook), opt.register_step_post_hook(post_hook)]
+    try:
+        for g, group in enumerate(opt.param_groups):
+            group["params"] = [f_params[index[id(p)]] for p in group["params"]]
+            for (hg, k), t in f_hyper.items():
+                if hg == g:
+                    group[k] = t
+            if "capturable" in group:
+                group["capturable"] = True
+            if _can_default_to_fused(group):
+                group["fused"] = True
+        opt.state = new_state
+        yield new_state
+    finally:
+        for h in handles:
+            h.remove()
+        ctx.in_optimizer = False
+        torch.compiler._is_compiling_flag = saved_flag
+        opt.state = saved_state
+        for group, saved in zip(opt.param_groups, saved_groups):
+            group.clear()
+            group.update(saved)
+
+
+def _fused_supported_devices() -> list[str]:
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()
+
+
+def _can_default_to_fused(group: dict[str, Any]) -> bool:
+    """True when a group left the implementation to torch and the fused kernel can run it.
+
+    torch picks the single-tensor loop on CPU for eager speed; in a compiled graph one fused
+    kernel is both faster and far cheaper to trace, so an unspecified implementation is traced
+    as fused where the kernel supports every parameter. Explicit choices are respected.
+    """
+    if "fused" not in group or group.get("fused") is not None or group.get("foreach") is not None:
+        return False
+    if group.get("differentiable"):
+        return False
+    supported = _fused_supported_devices()
+    return all(
+        torch.is_floating_point(p) and p.device.type in supported for p in group["params"]
+    )
+
+
+def _check_output_leaf(leaf: Any, path: str) -> None:
+    if isinstance(leaf, torch.Tensor) or isinstance(leaf, _CONST_TYPES):
+        return
+    raise SpmdUsageError(
+        f"spmd_backend.compile: the train step returned a value of type "
+        f"{type(leaf).__qualname__} at {path}; a compiled step may return tensors, None, Python "
+        "numbers/strings, or (nested) tuples, lists and dicts of them"
+    )
+
+
+def trace_train_step(
+    fn: Callable[..., Any],
+    binding: StepBinding,
+    *,
+    mark_buffers: bool = False,
+    overrides: Sequence[Override] = (),
+    recompile: bool = True,
+) -> TracedStep:
+    """Trace one call of ``fn`` (bound by ``binding``) into a :class:`TracedStep`.
+
+    ``recompile=False`` leaves ``gm.code`` stale (the graph itself is final) for a caller that
+    edits the graph further and recompiles once; regenerating code is a large share of the
+    trace time of big graphs.
+    """
+    t0 = time.perf_counter()
+    layout, real_inputs = plan_inputs(binding)
+    module: nn.Module = binding.module
+    opt = binding.optimizer
+    params = binding.params
+    index = binding.param_index()
+    n_p, n_b = layout.n_params, layout.n_buffers
+    n_s, n_h, n_g = len(layout.state_inputs), len(layout.hyper_inputs), len(layout.grad_inputs)
+    opt_state_before = {
+        i: {k: v for k, v in opt.state[p].items()}
+        for i, p in enumerate(params)
+        if opt is not None and p in opt.state
+    }
+    ctx = TraceContext()
+    saw_backward = [False]
+
+    def step(*flat: torch.Tensor) -> list[torch.Tensor]:
+        p_in = flat[:n_p]
+        b_in = flat[n_p : n_p + n_b]
+        s_in = flat[n_p + n_b : n_p + n_b + n_s]
+        h_in = flat[n_p + n_b + n_s : n_p + n_b + n_s + n_h]
+        g_in = flat[n_p + n_b + n_s + n_h : n_p + n_b + n_s + n_h + n_g]
+        a_in = flat[n_p + n_b + n_s + n_h + n_g :]
+        with FunctionalTensorMode(_allow_token_discovery=True), TraceMode(ctx):
+            f_params = [
+                _to_fun(t).requires_grad_(p.requires_grad) for t, p in zip(p_in, params)
+            ]
+            f_bufs = [_to_fun(t) for t in b_in]
+            f_states = [_to_fun(t) for t in s_in]
+            f_hyper_list = [_to_fun(t) for t in h_in]
+            f_grads = [_to_fun(t) for t in g_in]
+            f_args = [_to_fun(t) for t in a_in]
+            for i, g in zip(layout.grad_inputs, f_grads):
+                f_params[i].grad = g
+            # optimizer state: lifted tensors, other values as they are
+            f_state: dict[int, dict[str, Any]] = {i: dict(v) for i, v in opt_state_before.items()}
+            for (i, k), t in zip(layout.state_inputs, f_states):
+                f_state[i][k] = t
+            f_hyper: dict[tuple[int, str], torch.Tensor] = {}
+            for (g, k), t in zip(layout.hyper_inputs, f_hyper_list):
+                # A grad-requiring tensor makes every torch optimizer use tensor arithmetic for
+                # the lr instead of `.item()`; the step runs under no_grad, so nothing is
+                # recorded for it.
+                if t.is_floating_point():
+                    t.requires_grad_(True)
+                f_hyper[(g, k)] = t
+            mapping: dict[str, torch.Tensor] = {}
+            for names, fp in zip(binding.param_names, f_params):
+                for n in names:
+                    mapping[n] = fp
+            for names, fb in zip(binding.buffer_names, f_bufs):
+                for n in names:
+                    mapping[n] = fb
+
+            hooks = []
+            for names, fp in zip(binding.param_names, f_params):
+                if not fp.requires_grad:
+                    continue
+
+                def mark(param: torch.Tensor, _name: str = names[0]) -> None:
+                    saw_backward[0] = True
+                    layout.n_grad_markers += 1
+                    param.grad = GRAD_READY(param.grad, _name)
+
+                hooks.append(fp.register_post_accumulate_grad_hook(mark))
+
+            leaves = list(binding.flat_args)
+            for j, fa in zip(layout.arg_inputs, f_args):
+                leaves[j] = fa
+            args, kwargs = pytree.tree_unflatten(leaves, binding.args_spec)
+            opt_cm = (
+                _optimizer_swapped(opt, f_params, index, f_state, f_hyper, ctx)
+                if opt is not None
+                else contextlib.nullcontext(None)
+            )
+            try:
+                with stateless._reparametrize_module(module, mapping, tie_weights=True), \
+                        opt_cm as traced_state:
+                    if mark_buffers:
+                        for names, fb in zip(binding.buffer_names, f_bufs):
+                            fb.copy_(BUFFER_SYNC(fb, names[0]))
+                    out = fn(*args, **kwargs)
+            finally:
+                for h in hooks:
+                    h.remove()
+
+        # ---- outputs (outside the functional mode: plain proxies from here on)
+        out_leaves_with_path, out_spec = pytree.tree_flatten_with_path(out)
+        layout.out_spec = out_spec
+        results: list[torch.Tensor] = []
+        for path, leaf in out_leaves_with_path:
+            _check_output_leaf(leaf, "output" + pytree.keystr(path))
+            if isinstance(leaf, torch.Tensor):
+                layout.out_leaves.append(("tensor", len(results)))
+                results.append(_from_fun(leaf) if _is_fun(leaf) else leaf)
+            else:
+                layout.out_leaves.append(("const", leaf))
+        layout.n_user_tensors = len(results)
+
+        # ---- optimizer state written or created by the step
+        if opt is not None:
+            f_index = {id(fp): i for i, fp in enumerate(f_params)}
+            inputs_by_slot = dict(zip(layout.state_inputs, f_states))
+            for key_t, entries in traced_state.items():
+                i = f_index.get(id(key_t))
+                if i is None:
+                    raise SpmdTraceError(
+                        "the optimizer created state for a tensor that is not one of the "
+                        "module's parameters"
+                    )
+                before = opt_state_before.get(i)
+                if before is None or set(entries) - set(before):
+                    layout.creates_state = True
+                    layout.state_touched.append(i)
+                for k, v in entries.items():
+                    if (i, k) in inputs_by_slot and v is inputs_by_slot[(i, k)]:
+                        continue  # updated in place: handled by the copy_ epilogue
+                    if isinstance(v, torch.Tensor):
+                        layout.state_outputs.append((i, k))
+                        results.append(_from_fun(v) if _is_fun(v) else v)
+                    elif before is None or k not in before or before[k] is not v:
+                        layout.state_consts.append((i, k, v))
+
+        # ---- final gradients
+        for i, fp in enumerate(f_params):
+            if fp.grad is not None:
+                layout.grad_outputs.append(i)
+                results.append(_from_fun(fp.grad))
+
+        # ---- write-back of every mutated input
+        groups = [
+            (p_in, f_params, "parameter", binding.param_names),
+            (b_in, f_bufs, "buffer", binding.buffer_names),
+            (s_in, f_states, "optimizer state", None),
+            (g_in, f_grads, "gradient", None),
+            (a_in, f_args, "argument", None),
+        ]
+        for reals, funs, what, names in groups:
+            for j, (real, f) in enumerate(zip(reals, funs)):
+                torch._sync(f)
+                if torch._functionalize_has_metadata_mutation(f.elem):
+                    label = names[j][0] if names else f"#{j}"
+                    raise SpmdTraceError(
+                        f"the train step changed the shape or strides of {what} {label} in "
+                        "place; only data mutations of inputs are supported"
+                    )
+                if torch._functionalize_has_data_mutation(f.elem):
+                    real.copy_(_from_fun(f))
+        return results
+
+    try:
+        with swapped_submodules(module, overrides), torch.fx.traceback.preserve_node_meta():
+            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
+                *[t.detach() for t in real_inputs]
+            )
+    except SpmdUsageError:
+        raise
+    except SpmdTraceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        msg = str(e)
+        if "Please convert all Tensors to FakeTensors" in msg:
+            raise SpmdTraceError(
+                "the train step used a real tensor that is neither a parameter, buffer, "
+                "optimizer state nor an argument of the call (a tensor captured from an "
+                f"enclosing scope?); pass it as an argument or register it as a buffer. ({msg[:300]})"
+            ) from e
+        raise SpmdTraceError(f"tracing the train step failed: {type(e).__name__}: {msg}") from e
+
+    if opt is not None and not saw_backward[0]:
+        raise SpmdUsageError(
+            "spmd_backend.compile: the train step produced no parameter gradient: "
+            "loss.backward() was never called, or the loss does not depend on any parameter "
+            f"of {type(module).__name__} that requires grad"
+        )
+    names = _finish_graph(gm, binding, layout)
+    if recompile:
+        gm.recompile()
+    return TracedStep(
+        gm=gm, layout=layout, trace_seconds=time.perf_counter() - t0, placeholder_names=names
+    )
+
+
+def _finish_graph(gm: fx.GraphModule, binding: StepBinding, layout: StepLayout) -> list[str]:
+    """Clean the raw make_fx graph: drop profiler/detach nodes, name and annotate I/O."""
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):
+        if ops.is_profiler_op(node) and not node.users:
+            graph.erase_node(node)
+        elif ops.is_detach(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+
+    # readable placeholder names and input annotations
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    labels: list[tuple[str, str | None]] = []
+    for names in binding.param_names:
+        labels.append((f"p_{_sanitize(names[0])}", names[0].rpartition(".")[0]))
+    for names in binding.buffer_names:
+        labels.append((f"b_{_sanitize(names[0])}", names[0].rpartition(".")[0]))
+    for i, k in layout.state_inputs:
+        name = binding.param_names[i][0]
+        labels.append((f"s_{_sanitize(name)}_{_sanitize(str(k))}", name.rpartition(".")[0]))
+    for g, k in layout.hyper_inputs:
+        labels.append((f"h_{_sanitize(k)}_g{g}", None))
+    for i in layout.grad_inputs:
+        name = binding.param_names[i][0]
+        labels.append((f"g_{_sanitize(name)}", name.rpartition(".")[0]))
+    paths = binding.arg_paths()
+    for j in layout.arg_inputs:
+        labels.append((f"a_{_sanitize(paths[j]).strip('_')}", None))
+    if len(labels) != len(placeholders):
+        raise SpmdTraceError(
+            f"internal: {len(placeholders)} placeholders for {len(labels)} planned inputs"
+        )
+    for node, (label, fqn) in zip(placeholders, labels):
+        node._rename(label)
+        annotate(node, fqn=fqn, phase=Phase.INPUT)
+
+    # epilogue copies (and anything else made outside the dispatch mode) inherit a phase
+    for node in graph.nodes:
+        if node.op == "output":
+            annotate(node, fqn=None, phase=Phase.OUTPUT)
+        elif not annotated(node):
+            src = node.args[1] if ops.is_copy_(node) and len(node.args) > 1 else None
+            dst = node.args[0] if ops.is_copy_(node) else None
+            phase = get_phase(src) if isinstance(src, fx.Node) else None
+            fqn = dst.meta.get("spmd_fqn") if isinstance(dst, fx.Node) else None
+            annotate(node, fqn=fqn, phase=phase or Phase.OPTIMIZER)
+
+    graph._codegen = fx.graph.CodeGen()
+    graph.eliminate_dead_code(is_impure_node=ops.has_side_effect)
+    graph.lint()
+    return [n.name for n in placeholders]

@@ -1,0 +1,56 @@
+"""Shared fixtures: one Inductor cache for the whole suite, a fake process group, a rank pool."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_REPO / ".cache" / "inductor"))
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from spmd_backend.testing import RankPool, fake_process_group  # noqa: E402
+
+#: seconds one multi-rank job may take before its workers are killed
+RANK_JOB_TIMEOUT = float(os.environ.get("SPMD_TEST_RANK_TIMEOUT", "180"))
+
+
+@pytest.fixture
+def fake_pg():
+    """A single-process fake process group of world size 2 (collectives are no-ops)."""
+    with fake_process_group(world_size=2) as pg:
+        yield pg
+
+
+@pytest.fixture(scope="session")
+def _pool_holder():
+    holder: dict[str, RankPool | None] = {"pool": None}
+    yield holder
+    pool = holder["pool"]
+    if pool is not None:
+        pool.close()
+
+
+@pytest.fixture
+def rank_pool(_pool_holder) -> RankPool:
+    """Two persistent gloo ranks on loopback, recreated after a failed or timed-out job."""
+    pool = _pool_holder["pool"]
+    if pool is None or not pool.alive:
+        pool = RankPool(
+            2,
+            timeout=RANK_JOB_TIMEOUT,
+            failure_grace=5.0,
+            env={"TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]},
+        )
+        _pool_holder["pool"] = pool
+    return pool
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a process group initialized")

@@ -1,0 +1,286 @@
+"""spmd_backend.compile on one process under a fake process group: graph shape and behaviour."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd_backend
+from spmd_backend.graph import ops
+from spmd_backend.graph.meta import Phase, get_phase
+from spmd_backend.testing.models import GPT, MLP, BatchNormNet
+
+c10d = torch.ops._c10d_functional
+
+
+def sgd_step(model, optim, batch):
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def eager_twin(model, optim_cls, **kw):
+    twin = copy.deepcopy(model)
+    return twin, optim_cls(twin.parameters(), **kw)
+
+
+def nodes(gm, pred):
+    return [n for n in gm.graph.nodes if pred(n)]
+
+
+def test_one_all_reduce_per_gradient_placed_in_backward(fake_pg):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 3, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile()(sgd_step)
+    step(model, opt, torch.randn(4, 8))
+    gm = step.graph.traced.gm
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    reduces = nodes(gm, ops.is_all_reduce)
+    assert len(reduces) == len(list(model.parameters()))
+    for ar in reduces:
+        assert ar.args[1] == "sum"
+        (wait,) = ar.users
+        assert ops.is_wait(wait)
+        # issued right where the gradient is produced, not at the end of the backward
+        assert order[ar] - order[ar.args[0]] <= 2
+    mms = nodes(gm, lambda n: n.target is torch.ops.aten.mm.default)
+    assert order[reduces[0]] < order[mms[-1]], "first gradient collective waits for all compute"
+    assert not nodes(gm, ops.is_grad_marker)
+
+
+def test_graph_is_functional_with_state_written_back_by_copy(fake_pg):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = spmd_backend.compile()(sgd_step)
+    for _ in range(2):
+        step(model, opt, torch.randn(4, 8))
+    gm = step.graph.traced.gm
+    placeholders = nodes(gm, ops.is_placeholder)
+    copies = nodes(gm, ops.is_copy_)
+    # every parameter and momentum buffer is written once, at the end, into its placeholder
+    written = {c.args[0] for c in copies}
+    assert written <= set(placeholders)
+    n_params = len(list(model.parameters()))
+    assert len(written) == 2 * n_params
+    names = [p.name for p in placeholders]
+    assert names[0] == "p_layers_0_weight"
+    assert any(n.startswith("s_layers_0_weight_momentum_buffer") for n in names)
+    assert any(n.startswith("h_lr_g0") for n in names)
+    # no in-place op other than the write-back copies
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            if n.target._schema.is_mutable:
+                assert ops.is_copy_(n) or ops.is_collective(n), n.format_node()
+
+
+def test_every_node_has_a_phase(fake_pg):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    step = spmd_backend.compile()(sgd_step)
+    for _ in range(2):
+        step(model, opt, torch.randn(4, 8))
+    gm = step.graph.traced.gm
+    phases = {n: get_phase(n) for n in gm.graph.nodes}
+    assert all(p is not None for p in phases.values())
+    assert {Phase.INPUT, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.COMM} <= set(
+        phases.values()
+    )
+    for n in gm.graph.nodes:
+        if ops.is_all_reduce(n) or ops.is_wait(n):
+            assert phases[n] is Phase.COMM
+        if n.target is torch.ops.aten._fused_adam.tensor_lr:
+            assert phases[n] is Phase.OPTIMIZER
+
+
+@pytest.mark.parametrize(
+    "optim_cls,kw",
+    [
+        (torch.optim.SGD, dict(lr=0.05)),
+        (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, foreach=False)),
+        (torch.optim.Adam, dict(lr=0.01, fused=True)),
+        (torch.optim.AdamW, dict(lr=0.01, foreach=True, weight_decay=0.1)),
+    ],
+)
+def test_matches_eager_on_one_rank_with_lr_schedule(fake_pg, optim_cls, kw):
+    """One rank, fake collectives: the compiled step is the eager step, lr schedule included."""
+    torch.manual_seed(0)
+    model = MLP(8, 16, 3, 4)
+    ref, ref_opt = eager_twin(model, optim_cls, **kw)
+    opt = optim_cls(model.parameters(), **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    step = spmd_backend.compile()(sgd_step)
+    for _ in range(5):
+        batch = torch.randn(4, 8)
+        loss = step(model, opt, batch)
+        ref_loss = sgd_step(ref, ref_opt, batch)
+        torch.testing.assert_close(loss, ref_loss)
+        sched.step()
+        ref_sched.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    assert step.trace_count <= 2, "an lr change must not retrace"
+
+
+def test_lr_is_read_at_every_call(fake_pg):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile()(sgd_step)
+    step(model, opt, torch.randn(4, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = 0.0
+    step(model, opt, torch.randn(4, 8))
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b), "lr=0 must leave parameters unchanged"
+    assert step.trace_count == 1
+
+
+def test_optimizer_state_created_as_eager_and_transformation_called_once(fake_pg):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    ref, ref_opt = eager_twin(model, torch.optim.SGD, lr=0.1, momentum=0.9, dampening=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    calls = []
+
+    def transformation(gm):
+        calls.append(gm)
+        return gm
+
+    step = spmd_backend.compile(gm_transformation=transformation)(sgd_step)
+    for i in range(4):
+        batch = torch.randn(4, 8)
+        step(model, opt, batch)
+        sgd_step(ref, ref_opt, batch)
+        if i == 0:
+            assert step.graph.bootstrap and not calls
+    assert len(calls) == 1 and step.trace_count == 2
+    assert step.compiled is calls[0]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(
+            opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]
+        )
+
+
+def test_retrace_on_new_shape_is_logged_once_and_cached(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile()(sgd_step)
+    step(model, opt, torch.randn(4, 8))
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        step(model, opt, torch.randn(3, 8))
+        step(model, opt, torch.randn(3, 8))
+        step(model, opt, torch.randn(4, 8))
+    retraces = [r for r in caplog.records if "retracing" in r.getMessage()]
+    assert len(retraces) == 1
+    assert "args[2]" in retraces[0].getMessage() and "[3, 8]" in retraces[0].getMessage()
+    assert step.trace_count == 2 and step.cache_size() == 2
+    step(model, opt, torch.randn(4, 8, dtype=torch.float64).float())
+    assert step.trace_count == 2
+
+
+def test_batchnorm_buffers_updated_in_place(fake_pg):
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    ref, ref_opt = eager_twin(model, torch.optim.SGD, lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mean = model.bn.running_mean
+    step = spmd_backend.compile()(sgd_step)
+    for _ in range(3):
+        batch = torch.randn(8, 16)
+        step(model, opt, batch)
+        sgd_step(ref, ref_opt, batch)
+    assert model.bn.running_mean is mean
+    torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
+    torch.testing.assert_close(model.bn.num_batches_tracked, ref.bn.num_batches_tracked)
+    gm = step.graph.traced.gm
+    assert len(nodes(gm, ops.is_broadcast)) == len(list(model.buffers()))
+
+
+def test_tied_weights_lifted_once_and_gpt_matches_eager(fake_pg):
+    torch.manual_seed(0)
+    model = GPT(vocab=32, dim=16, heads=2, layers=1, seq=8)
+    ref, ref_opt = eager_twin(model, torch.optim.AdamW, lr=0.01, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+
+    def lm_step(model, optim, batch):
+        out = model(batch)
+        loss = F.cross_entropy(out.reshape(-1, 32), batch.reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    step = spmd_backend.compile()(lm_step)
+    for _ in range(3):
+        batch = torch.randint(0, 32, (2, 8))
+        step(model, opt, batch)
+        lm_step(ref, ref_opt, batch)
+    assert model.head.weight is model.tok.weight
+    gm = step.graph.traced.gm
+    weight_inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and "tok_weight" in n.name]
+    assert len(weight_inputs) == 1 + 3  # the weight, its Adam step and two moments
+    assert not [n for n in gm.graph.nodes if n.op == "placeholder" and "head" in n.name]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_unused_and_frozen_parameters_get_no_collective(fake_pg):
+    from spmd_backend.testing.models import FrozenNet, UnusedParamNet
+
+    for cls, trainable_used in ((UnusedParamNet, 4), (FrozenNet, 2)):
+        model = cls()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        step = spmd_backend.compile()(sgd_step)
+        step(model, opt, torch.randn(8, 16))
+        assert step.graph.expansion.all_reduces == trainable_used
+        for name, p in model.named_parameters():
+            assert p.grad is None, name
+
+
+def test_grad_left_by_the_step_is_written_back(fake_pg):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    ref = copy.deepcopy(model)
+
+    def backward_only(model, batch):
+        model(batch).sum().backward()
+
+    step = spmd_backend.compile()(backward_only)
+    for _ in range(2):  # the second call accumulates into the existing .grad
+        batch = torch.randn(4, 8)
+        step(model, batch)
+        backward_only(ref, batch)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_return_structure_preserved(fake_pg):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step_fn(model, optim, batch, *, scale=1.0):
+        out = model(batch)
+        loss = out.pow(2).mean() * scale
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return {"loss": loss, "extra": (out.detach().sum(), None, 3, "tag")}
+
+    step = spmd_backend.compile()(step_fn)
+    res = step(model, opt, torch.randn(4, 8), scale=2.0)
+    assert set(res) == {"loss", "extra"}
+    assert isinstance(res["loss"], torch.Tensor) and res["loss"].dim() == 0
+    assert res["extra"][1:] == (None, 3, "tag")

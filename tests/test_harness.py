@@ -1,0 +1,82 @@
+"""spmd_backend.testing: the multi-rank runner re-raises rank failures and kills hung jobs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import spmd_backend
+from spmd_backend.testing import RankPool, RankTimeoutError, run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def _rank_and_sum(rank: int, world_size: int, offset: int) -> tuple[int, float]:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + offset)])
+    dist.all_reduce(t)
+    return rank, float(t)
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise KeyError("boom on rank one")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 waits for rank 1, which never arrives
+
+
+def _sleep(rank: int, world_size: int, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_run_on_ranks_returns_per_rank_results():
+    assert run_on_ranks(_rank_and_sum, 10, world_size=2) == [(0, 21.0), (1, 21.0)]
+
+
+def test_rank_failure_is_reraised_with_its_type_and_traceback(rank_pool):
+    with pytest.raises(KeyError, match="boom on rank one") as info:
+        rank_pool.run(_fail_on_rank_one, timeout=60)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "remote traceback of rank 1" in notes and "_fail_on_rank_one" in notes
+    assert not rank_pool.alive
+
+
+def test_hung_job_times_out_and_kills_workers():
+    pool = RankPool(2, timeout=30)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RankTimeoutError, match="did not finish within 2s"):
+            pool.run(_sleep, 60, timeout=2)
+        assert time.monotonic() - start < 20
+        assert not pool.alive
+        assert all(not p.is_alive() for p in pool._procs)
+    finally:
+        pool.close(kill=True)
+
+
+def _bad_input_on_every_rank(rank: int, world_size: int) -> str:
+    from spmd_backend.testing.models import MLP
+
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @spmd_backend.compile()
+    def step(model, optim, batch):
+        loss = model(batch).sum()  # backward forgotten
+        optim.step()
+        return loss
+
+    try:
+        step(model, opt, torch.randn(2, 8))
+    except spmd_backend.SpmdUsageError as e:
+        return str(e)
+    return "no error"
+
+
+def test_bad_input_fails_on_every_rank_without_hanging(rank_pool):
+    messages = rank_pool.run(_bad_input_on_every_rank, timeout=60)
+    assert all("loss.backward() was never called" in m for m in messages), messages
