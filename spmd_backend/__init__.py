@@ -15,6 +15,7 @@ from spmd_backend.errors import (
     SpmdUsageError,
 )
 from spmd_backend.parallel.data_parallel import DataParallel
+from spmd_backend.pass_manager import PassManager, PassSpec, declare_pass
 from spmd_backend.tracing.overrides import Override
 
 __version__ = "0.1.0"
@@ -24,6 +25,9 @@ __all__ = [
     "CompiledTrainStep",
     "DataParallel",
     "Override",
+    "PassManager",
+    "PassSpec",
+    "declare_pass",
     "SpmdError",
     "SpmdUsageError",
     "SpmdTraceError",

@@ -47,6 +47,8 @@ __all__ = ["compile", "CompiledTrainStep", "DataParallel", "Override"]
 
 
 def _accepts_last_iter(runner: Callable[..., Any]) -> bool:
+    if isinstance(runner, fx.GraphModule):  # its forward takes exactly its placeholders
+        return any(n.op == "placeholder" and n.target == "last_iter" for n in runner.graph.nodes)
     target = getattr(runner, "forward", runner)
     try:
         sig = inspect.signature(target)

@@ -45,6 +45,7 @@ from torch.nn.utils import stateless
 from spmd_backend.errors import SpmdTraceError, SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase, annotate, annotated, get_phase
+from spmd_backend.graph.utils import lazy_graph_modules
 from spmd_backend.tracing.binding import LIFTED_HYPERPARAMETERS, StepBinding
 from spmd_backend.tracing.dispatch import TraceContext, TraceMode
 from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_READY
@@ -458,7 +459,8 @@ def trace_train_step(
         return results
 
     try:
-        with swapped_submodules(module, overrides), torch.fx.traceback.preserve_node_meta():
+        with swapped_submodules(module, overrides), torch.fx.traceback.preserve_node_meta(), \
+                lazy_graph_modules():
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
                 *[t.detach() for t in real_inputs]
             )
