@@ -14,6 +14,15 @@ import torch.fx as fx
 from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph.utils import find_all_descendants as _descendants
 from spmd_backend.pass_manager import _optimized_func, graph_optimization_pass
+from spmd_backend.passes import (
+    ModuleTarget,
+    comm_fusion_with_concat,
+    get_all_fused_optimizer_blocks,
+    iter_move_grads_and_optimizers,
+    remove_copy_from_optimizer,
+    schedule_comm_wait,
+    split_fused_optimizer,
+)
 
 
 def find_all_descendants(gm: object, parent_nodes: Sequence[fx.Node]) -> list[fx.Node]:
@@ -23,4 +32,15 @@ def find_all_descendants(gm: object, parent_nodes: Sequence[fx.Node]) -> list[fx
     return _descendants(gm.graph, parent_nodes)  # type: ignore[attr-defined]
 
 
-__all__ = ["_optimized_func", "find_all_descendants", "graph_optimization_pass"]
+__all__ = [
+    "ModuleTarget",
+    "_optimized_func",
+    "comm_fusion_with_concat",
+    "find_all_descendants",
+    "get_all_fused_optimizer_blocks",
+    "graph_optimization_pass",
+    "iter_move_grads_and_optimizers",
+    "remove_copy_from_optimizer",
+    "schedule_comm_wait",
+    "split_fused_optimizer",
+]

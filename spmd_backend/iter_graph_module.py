@@ -50,6 +50,7 @@ from spmd_backend.graph.utils import (
     get_output,
     is_leaf_subgraph,
     make_graph_module,
+    mutated_placeholders,
     node_inputs,
     node_order,
 )
@@ -66,23 +67,6 @@ class IterMove:
 
     def alive(self) -> list[fx.Node]:
         return [n for n in self.nodes if not getattr(n, "_erased", False)]
-
-
-def _mutated_placeholders(node: fx.Node) -> list[fx.Node]:
-    """Placeholders ``node`` writes in place (``copy_`` destinations, mutable schema args)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return []
-    out: list[fx.Node] = []
-    schema = target._schema
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        for leaf in pytree.tree_leaves(value):
-            if isinstance(leaf, fx.Node) and leaf.op == "placeholder":
-                out.append(leaf)
-    return out
 
 
 class IterGraph(fx.Graph):
@@ -149,11 +133,11 @@ class IterGraph(fx.Graph):
         # schedules only if it lies between the target and the block ([start, end)).
         start = order[target]
         end = min(order[n] for n in nodes)
-        written_inside = {p for n in nodes for p in _mutated_placeholders(n)}
+        written_inside = {p for n in nodes for p in mutated_placeholders(n)}
         written_outside: dict[fx.Node, fx.Node] = {}
         for n in self.nodes:
             if n not in members:
-                for p in _mutated_placeholders(n):
+                for p in mutated_placeholders(n):
                     written_outside.setdefault(p, n)
         read_inside = {p for n in nodes for p in node_inputs(n) if p.op == "placeholder"}
         hazards = written_inside | (read_inside & set(written_outside))

@@ -1,10 +1,9 @@
-"""Pass declaration, ordering, verification; the seed's GraphPassWrapperTest (with the clears)."""
+"""Pass declaration, ordering and verification (PassManager and the legacy decorator)."""
 
 from __future__ import annotations
 
 import logging
 import os
-from unittest.mock import MagicMock
 
 import pytest
 import torch
@@ -21,47 +20,7 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-# ----------------------------------------------------------------------------- the seed's test
-def test_order():  # GraphPassWrapperTest.test_order, imports changed, clears as upstream
-    @graph_optimization_pass(
-        prerequisites=[],
-        apply_after=[],
-    )
-    def my_pass1(gm) -> None:
-        return
-
-    @graph_optimization_pass(
-        prerequisites=[my_pass1],
-        apply_after=[],
-    )
-    def my_pass2(gm) -> None:
-        return
-
-    @graph_optimization_pass(
-        prerequisites=[],
-        apply_after=[my_pass1],
-    )
-    def my_pass3(gm) -> None:
-        return
-
-    gm = MagicMock(spec=IterGraphModule)
-    # No errors
-    _optimized_func.clear()
-    my_pass1(gm)
-    my_pass3(gm)
-    my_pass2(gm)
-    _optimized_func.clear()
-
-    # Prerequisite passes have not been applied.
-    with pytest.raises(AssertionError, match="are the prerequisites of"):
-        my_pass2(gm)
-
-    # my_pass3 must be applied after my_pass1.
-    _optimized_func.clear()
-    with pytest.raises(AssertionError, match="must be applied after"):
-        my_pass3(gm)
-        my_pass1(gm)
-    _optimized_func.clear()
+# The seed's GraphPassWrapperTest.test_order lives in tests/test_seed_transformation.py.
 
 
 def test_legacy_decorator_refuses_twice_and_runs_post_pass_work():

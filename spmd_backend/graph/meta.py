@@ -11,6 +11,10 @@ Every node of a traced step carries two annotations in ``node.meta``:
     ``optimizer``, ``comm`` (collectives and their waits), or ``input``/``output`` for
     placeholders and the output node.
 
+``node.meta["spmd_bucket_params"]``
+    On a gradient collective: the FQNs of the parameters whose gradients it carries (one for
+    the expansion's per-gradient all_reduce, several after bucketing).
+
 Passes that create nodes must call :func:`inherit` (the node takes over the annotation of the
 node it replaces) or :func:`annotate` (the node names its own). :func:`annotated` is the
 invariant check the pass manager runs.
@@ -24,6 +28,7 @@ import torch.fx as fx
 
 FQN_KEY = "spmd_fqn"
 PHASE_KEY = "spmd_phase"
+BUCKET_PARAMS_KEY = "spmd_bucket_params"
 
 
 class Phase(str, enum.Enum):
@@ -69,3 +74,8 @@ def get_phase(node: fx.Node) -> Phase | None:
 def annotated(node: fx.Node) -> bool:
     """True when ``node`` carries a phase annotation (the FQN may legitimately be ``None``)."""
     return node.meta.get(PHASE_KEY) is not None
+
+
+def bucket_params(node: fx.Node) -> list[str]:
+    """Parameter FQNs whose gradients the collective ``node`` carries (may be empty)."""
+    return list(node.meta.get(BUCKET_PARAMS_KEY, ()))

@@ -53,6 +53,22 @@ def node_inputs(node: fx.Node) -> list[fx.Node]:
     return list(seen)
 
 
+def mutated_placeholders(node: fx.Node) -> list[fx.Node]:
+    """Placeholders ``node`` writes in place (``copy_`` destinations, mutable schema args)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return []
+    out: list[fx.Node] = []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, fx.Node) and leaf.op == "placeholder":
+                out.append(leaf)
+    return out
+
+
 def is_leaf_subgraph(graph: fx.Graph, subgraph: Sequence[fx.Node]) -> bool:
     """True when every user of every node of ``subgraph`` is in ``subgraph`` or is the output.
 

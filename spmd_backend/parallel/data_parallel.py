@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
 from spmd_backend.graph import ops
-from spmd_backend.graph.meta import Phase, annotate
+from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ def _insert_collective(
         if val is not None:
             node.meta["val"] = val
         annotate(node, fqn=_owner(fqn), phase=Phase.COMM)
+    if target is c10d.all_reduce.default:
+        comm.meta[BUCKET_PARAMS_KEY] = [fqn]
     marker.replace_all_uses_with(wait)
     graph.erase_node(marker)
     return comm

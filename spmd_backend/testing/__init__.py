@@ -4,10 +4,14 @@ Library code never imports this package; tests, tools and examples do.
 """
 
 from spmd_backend.testing.fake_pg import fake_process_group
+from spmd_backend.testing.multirank import DTensorTestBase, skip_if_lt_x_gpu, with_comms
 from spmd_backend.testing.parity import OptimSpec, ParityCase, ParityResult, check_ddp_parity
 from spmd_backend.testing.ranks import RankFailure, RankPool, RankTimeoutError, run_on_ranks
 
 __all__ = [
+    "DTensorTestBase",
+    "skip_if_lt_x_gpu",
+    "with_comms",
     "fake_process_group",
     "OptimSpec",
     "ParityCase",

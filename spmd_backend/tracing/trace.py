@@ -492,6 +492,21 @@ def trace_train_step(
     )
 
 
+def _is_redundant_functional_copy(node: fx.Node) -> bool:
+    if not ops.is_call_to(node, torch.ops.aten.copy.default) or len(node.args) < 2:
+        return False
+    dst, src = node.args[0], node.args[1]
+    if not isinstance(dst, fx.Node) or not isinstance(src, fx.Node):
+        return False
+    a, b = dst.meta.get("val"), src.meta.get("val")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    return (
+        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+        and a.stride() == b.stride()
+    )
+
+
 def _finish_graph(gm: fx.GraphModule, binding: StepBinding, layout: StepLayout) -> list[str]:
     """Clean the raw make_fx graph: drop profiler/detach nodes, name and annotate I/O."""
     graph = gm.graph
@@ -500,6 +515,12 @@ def _finish_graph(gm: fx.GraphModule, binding: StepBinding, layout: StepLayout) 
             graph.erase_node(node)
         elif ops.is_detach(node):
             node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+        elif _is_redundant_functional_copy(node):
+            # `dst.copy_(src)` on a functional tensor becomes `aten.copy(dst, src)`: when src
+            # already has dst's metadata the result is just src (the write-back copy_ to the
+            # input, if any, stays)
+            node.replace_all_uses_with(node.args[1])
             graph.erase_node(node)
 
     # readable placeholder names and input annotations

@@ -1,0 +1,178 @@
+"""remove_copy_from_optimizer: turn the functional optimizer back into in-place updates.
+
+Requires: a traced step graph (functional optimizer ops whose results are written back to the
+parameter/state placeholders by ``copy_`` nodes at the end). Guarantees: every optimizer-phase
+functional op (``_fused_adam``, ``_foreach_*``, single-tensor ``add``/``mul``/...) that has an
+in-place variant is replaced by it, mutating its first argument(s) directly, when that is safe:
+
+* each element it would mutate is read by nothing after it (except write-back copies), and
+* an element that is a graph input (placeholder) still has a write-back copy pending after it
+  (which will store the input's final value);
+
+uses of its results are redirected to the mutated elements, and write-backs that became
+``copy_(x, x)`` are removed. What ends up in the real parameters and optimizer state is
+unchanged; the graph loses the extra allocations and copies, and each optimizer update becomes
+a node that can be moved or split. A graph with no such pattern is a logged no-op.
+
+::
+
+    before:  out = _fused_adam(p, g, m, v, ...)   ...   copy_(p, out[0][i])  copy_(m, out[2][i])
+    after:   _fused_adam_(p, g, m, v, ...)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.fx as fx
+
+from spmd_backend.graph import ops
+from spmd_backend.graph.meta import Phase, get_phase, inherit
+from spmd_backend.graph.utils import node_order
+from spmd_backend.pass_manager import graph_optimization_pass
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+#: fused functional op -> number of leading list arguments the in-place variant mutates
+_FUSED_MUTATED_LISTS = {"_fused_adam": 5, "_fused_adamw": 5, "_fused_sgd": 3}
+
+
+def inplace_variant(target: object) -> object | None:
+    """``aten.foo_.ovl`` for ``aten.foo.ovl`` when it exists and mutates its first argument."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    packet = target._overloadpacket.__name__
+    if packet.endswith("_"):
+        return None
+    inplace_packet = getattr(aten, packet + "_", None)
+    if inplace_packet is None:
+        return None
+    ovl = getattr(inplace_packet, target._overloadname, None)
+    if ovl is None:
+        return None
+    first = ovl._schema.arguments[0] if ovl._schema.arguments else None
+    if first is None or first.alias_info is None or not first.alias_info.is_write:
+        return None
+    return ovl
+
+
+def _mutations(node: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]] | None:
+    """``(element the in-place op would mutate, nodes holding the functional result)`` pairs."""
+    packet = node.target._overloadpacket.__name__  # type: ignore[union-attr]
+    if packet in _FUSED_MUTATED_LISTS:
+        n_lists = _FUSED_MUTATED_LISTS[packet]
+        outs: dict[tuple[int, int], list[fx.Node]] = {}
+        for u in node.users:
+            if not ops.is_getitem(u):
+                return None
+            k = int(u.args[1])
+            for v in u.users:
+                if not ops.is_getitem(v):
+                    return None
+                outs.setdefault((k, int(v.args[1])), []).append(v)
+        pairs = []
+        for k in range(n_lists):
+            for i, elem in enumerate(node.args[k]):
+                pairs.append((elem, outs.get((k, i), [])))
+        return pairs
+    self_arg = node.args[0]
+    if isinstance(self_arg, (list, tuple)):  # foreach: element i <-> getitem(node, i)
+        outs_i: dict[int, list[fx.Node]] = {}
+        for u in node.users:
+            if not ops.is_getitem(u):
+                return None
+            outs_i.setdefault(int(u.args[1]), []).append(u)
+        return [(elem, outs_i.get(i, [])) for i, elem in enumerate(self_arg)]
+    if isinstance(self_arg, fx.Node):
+        return [(self_arg, [node])]
+    return None
+
+
+def _safe(
+    node: fx.Node,
+    pairs: list[tuple[fx.Node, list[fx.Node]]],
+    order: dict[fx.Node, int],
+) -> bool:
+    """Whether mutating each element in place at ``node`` keeps the graph's meaning.
+
+    An element's old value must be read by nothing after ``node``. A graph input may be
+    clobbered only while a write-back ``copy_`` into it is still pending after ``node`` (that
+    copy writes its final value); once an earlier rewrite made it hold its final value, it must
+    not be touched again.
+    """
+    elems = [e for e, _ in pairs]
+    if any(not isinstance(e, fx.Node) for e in elems) or len(set(elems)) != len(elems):
+        return False
+    pos = order[node]
+    for elem, _ in pairs:
+        if elem.op == "get_attr":
+            return False
+        pending_write_back = False
+        for user in elem.users:
+            if user is node or order[user] < pos:
+                continue
+            if ops.is_copy_(user) and user.args[0] is elem:
+                pending_write_back = True
+                continue
+            return False
+        if elem.op == "placeholder" and not pending_write_back:
+            return False
+    return True
+
+
+def _candidates(graph: fx.Graph) -> Iterator[fx.Node]:
+    for node in list(graph.nodes):
+        if get_phase(node) is not Phase.OPTIMIZER or node.op != "call_function":
+            continue
+        if inplace_variant(node.target) is not None:
+            yield node
+
+
+@graph_optimization_pass(prerequisites=[], apply_after=[])
+def remove_copy_from_optimizer(gm: object) -> None:
+    """Re-inplace the optimizer and drop its write-back copies (see the module docstring)."""
+    graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
+    order = node_order(graph)
+    rewritten = 0
+    for node in _candidates(graph):
+        pairs = _mutations(node)
+        if not pairs or not _safe(node, pairs, order):
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(inplace_variant(node.target), node.args, node.kwargs)
+        inherit(new, node)
+        if isinstance(node.args[0], fx.Node):
+            new.meta["val"] = node.args[0].meta.get("val")
+        order[new] = order[node]
+        for elem, results in pairs:
+            for r in results:
+                for user in list(r.users):
+                    if ops.is_copy_(user) and user.args[0] is elem:
+                        graph.erase_node(user)
+                r.replace_all_uses_with(elem)
+        for u in list(node.users):  # fused: the per-list getitems, now unused
+            if not u.users:
+                graph.erase_node(u)
+        for _, results in pairs:
+            for r in results:
+                if r is not node and not r.users and r.graph is graph and not getattr(r, "_erased", False):
+                    graph.erase_node(r)
+        if not node.users:
+            graph.erase_node(node)
+        rewritten += 1
+    removed = 0
+    for node in list(graph.nodes):  # write-backs that became copy_(x, x)
+        if ops.is_copy_(node) and node.args[0] is node.args[1] and not node.users:
+            graph.erase_node(node)
+            removed += 1
+    if not rewritten:
+        log.info("remove_copy_from_optimizer: no functional optimizer op to re-inplace")
+    else:
+        log.info(
+            "remove_copy_from_optimizer: %d op(s) made in-place, %d self-copies removed",
+            rewritten, removed,
+        )
+

@@ -1,0 +1,94 @@
+"""iter_move_grads_and_optimizers on tiny graphs under a fake process group."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import Net, assert_same_training, run_pair
+
+from spmd_backend.errors import SpmdPassError
+from spmd_backend.graph import ops
+from spmd_backend.graph.meta import bucket_params
+from spmd_backend.iter_graph_module import IterGraphModule
+from spmd_backend.pass_manager import PassManager, _optimized_func
+from spmd_backend.passes import (
+    ModuleTarget,
+    comm_fusion_with_concat,
+    iter_move_grads_and_optimizers,
+    remove_copy_from_optimizer,
+    schedule_comm_wait,
+)
+
+
+def wide():
+    return Net(dims=(16, 512, 512, 512, 8))
+
+
+def mover(comm, dest, seen=None):
+    def transformation(gm):
+        igm = IterGraphModule(gm)
+        PassManager(
+            [(comm_fusion_with_concat, {"bucket_size_mb": 0.9}), schedule_comm_wait, remove_copy_from_optimizer]
+        ).run(igm)
+        if seen is not None:
+            seen.extend(
+                (n.name, bucket_params(n)) for n in igm.graph.nodes if ops.is_all_reduce(n)
+            )
+        _optimized_func.clear()
+        _optimized_func.update({"remove_copy_from_optimizer", "schedule_comm_wait"})
+        iter_move_grads_and_optimizers(igm, comm, dest)
+        _optimized_func.clear()
+        assert igm.num_moves == 1
+        igm.finalize_setup()
+        return igm
+
+    return transformation
+
+
+@pytest.mark.parametrize("optim_kind", ["adam_fused", "adam_foreach", "sgd_momentum"])
+def test_move_by_module_fqn_matches_unmoved(fake_pg, optim_kind):
+    seen = []
+    compiled, model, ref = run_pair(
+        mover(ModuleTarget("layers.2"), ModuleTarget("layers.2"), seen),
+        optim_kind=optim_kind, model_factory=wide, steps=5,
+    )
+    assert_same_training(model, ref)
+    assert any("layers.2.weight" in params for _, params in seen)
+
+
+def test_move_by_names_matches_unmoved(fake_pg):
+    seen = []
+    # buckets in readiness order: [layers.3, layers.2], [layers.1], [layers.0];
+    # "all_reduce_default_1" carries layers.1, first used after "relu" (layer 0's activation)
+    compiled, model, ref = run_pair(
+        mover("all_reduce_default_1", "relu", seen), model_factory=wide, steps=5
+    )
+    assert_same_training(model, ref)
+    assert seen[1] == ("all_reduce_default_1", ["layers.1.bias", "layers.1.weight"])
+
+
+def test_unsafe_destination_is_refused(fake_pg):
+    with pytest.raises(SpmdPassError, match="unsafe destination relu_2: p_layers_2_weight"):
+        run_pair(mover(ModuleTarget("layers.2"), "relu_2"), model_factory=wide)
+
+
+def test_bad_targets_name_the_problem(fake_pg):
+    with pytest.raises(SpmdPassError, match="no node named 'all_reduce_default_9'"):
+        run_pair(mover("all_reduce_default_9", "relu"), model_factory=wide)
+    with pytest.raises(SpmdPassError, match="no gradient collective carries a parameter of module 'nope'"):
+        run_pair(mover(ModuleTarget("nope"), "relu"), model_factory=wide)
+    with pytest.raises(SpmdPassError, match="is not a collective"):
+        run_pair(mover("relu", "relu"), model_factory=wide)
+
+
+def test_needs_an_iter_graph_module(fake_pg):
+    def plain(gm):
+        _optimized_func.clear()
+        _optimized_func.add("remove_copy_from_optimizer")
+        try:
+            iter_move_grads_and_optimizers(gm, "all_reduce", "relu")
+        finally:
+            _optimized_func.clear()
+        return gm
+
+    with pytest.raises(SpmdPassError, match="needs an IterGraphModule"):
+        run_pair(plain)

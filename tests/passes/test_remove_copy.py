@@ -1,0 +1,56 @@
+"""remove_copy_from_optimizer on tiny graphs under a fake process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_same_training, graph_code, run_pair
+from torch.testing import FileCheck
+
+from spmd_backend.graph import ops
+from spmd_backend.pass_manager import PassManager
+from spmd_backend.passes import remove_copy_from_optimizer
+
+aten = torch.ops.aten
+
+
+def reinplace(gm):
+    PassManager([remove_copy_from_optimizer]).run(gm)
+    return gm
+
+
+def copies_into_placeholders(gm):
+    return [n for n in gm.graph.nodes if ops.is_copy_(n) and n.args[0].op == "placeholder"]
+
+
+@pytest.mark.parametrize(
+    "optim_kind", ["adam_fused", "adamw_fused", "adam_foreach", "adam_single", "sgd_momentum", "sgd_foreach", "sgd_fused"]
+)
+def test_state_written_in_place_with_same_results(fake_pg, optim_kind):
+    compiled, model, ref = run_pair(reinplace, optim_kind=optim_kind)
+    assert_same_training(model, ref)
+    after = copies_into_placeholders(compiled.compiled)
+    # every parameter and optimizer-state write-back is now an in-place op, not a copy
+    assert after == [], [n.format_node() for n in after]
+
+
+def test_fused_kernel_becomes_in_place(fake_pg):
+    compiled, model, ref = run_pair(reinplace, optim_kind="adam_fused")
+    assert_same_training(model, ref)
+    code = graph_code(compiled.compiled)
+    FileCheck().check("aten._foreach_add_.Scalar").check("aten._fused_adam_.tensor_lr").check_not(
+        "aten._fused_adam.tensor_lr"
+    ).check_not("aten.copy_").run(code)
+
+
+def test_does_not_touch_forward_mutations(fake_pg):
+    from spmd_backend.testing.models import BatchNormNet
+
+    def factory():
+        return BatchNormNet(16, 32, 4)
+
+    compiled, model, ref = run_pair(reinplace, optim_kind="sgd_momentum", model_factory=factory)
+    assert_same_training(model, ref)
+    torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
+    bn_copies = [n for n in copies_into_placeholders(compiled.compiled) if "bn" in n.args[0].name]
+    assert bn_copies, "the BatchNorm statistics write-back is not the optimizer's: it stays"
