@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PYTHON) -m pytest -q -ra
 
 bench: $(STAMP)
-	$(PYTHON) tools/bench_step.py
+	$(PYTHON) tools/bench.py
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

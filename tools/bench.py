@@ -1,0 +1,329 @@
+"""Benchmark suite: spmd_backend variants against DDP, measured side by side in one run.
+
+    python tools/bench.py [--ranks 2] [--steps 20] [--workloads mlp gpt] [--variants ...]
+                          [--out out/bench.json] [--md out/bench.md]
+
+On N loopback ranks (gloo on CPU, NCCL when GPUs are present) and for each workload (the seed's
+DummyModel MLP, dim 2048 x 5 layers, batch 32; a GPT-style transformer), every variant trains
+with Adam; steps are interleaved across variants so noise hits all alike. Per variant: median
+steady-state step time (after warm-up), ratio to DDP eager, first-call (compile) time, peak
+resident memory during its steps (process-wide RSS on CPU, max allocated on GPU) and exposed
+communication (profiled time blocked in ``wait_tensor``). In the same run: the compute-only step
+(one rank's local step without any communication) and the communication-only time (all_reduce of
+the gradient bytes in DDP's 25 MB buckets); their max is the lower bound each variant is
+compared with. Also: trace time of a 12-layer GPT's first calls and the pass-pipeline time on a
+24-layer graph. Writes JSON and a markdown table. A benchmark, not a test.
+
+Variants: ddp, ddp_compiled (torch.compile of the DDP model), spmd (no transformation),
+spmd_opt (graph optimization), spmd_opt_inductor (graph optimization + Inductor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from spmd_backend.testing import run_on_ranks  # noqa: E402
+
+ALL_VARIANTS = ["ddp", "ddp_compiled", "spmd", "spmd_opt", "spmd_opt_inductor"]
+
+
+# ----------------------------------------------------------------------------- workloads
+def _lm_step(model, optim, batch):
+    import torch.nn.functional as F
+
+    logits = model(batch)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _sum_step(model, optim, batch):
+    loss = model(batch).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def workload(name: str) -> tuple[Any, Any, Any]:
+    from spmd_backend.testing.models import GPT, DummyModel
+
+    if name == "mlp":
+        return (lambda: DummyModel(5, 2048), lambda g: torch.randn(32, 2048, generator=g), _sum_step)
+    if name == "gpt":
+        return (
+            lambda: GPT(vocab=512, dim=256, heads=4, layers=4, seq=64),
+            lambda g: torch.randint(0, 512, (8, 64), generator=g),
+            _lm_step,
+        )
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+# ----------------------------------------------------------------------------- measurement
+class RssSampler:
+    """Samples this process's resident set size every few milliseconds."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        self.period = period
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), self.rss()))
+            time.sleep(self.period)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peak(self, windows: list[tuple[float, float]]) -> int:
+        return max((r for t, r in self.samples if any(a <= t <= b for a, b in windows)), default=0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _build(variant: str, build, step_fn, device):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spmd_backend
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+
+    torch.manual_seed(0)
+    model = build().to(device)
+    ids = [device.index] if device.type == "cuda" else None
+    if variant in ("ddp", "ddp_compiled", "compute_only"):
+        net = DDP(model, device_ids=ids) if variant != "compute_only" else model
+        fused = {"fused": True}
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4, **fused)
+        fwd = torch.compile(net) if variant == "ddp_compiled" else net
+        return (lambda b: step_fn(fwd, opt, b)), net
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    transformation = None
+    if variant != "spmd":
+        transformation = GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=variant == "spmd_opt_inductor"
+        )
+    step = spmd_backend.compile(
+        gm_transformation=transformation,
+        parallel_mode=spmd_backend.DataParallel(reduce_op="avg"),
+    )(step_fn)
+    return (lambda b: step(model, opt, b)), model
+
+
+def _comm_only(model: torch.nn.Module, device: torch.device, reps: int = 5) -> float:
+    """Median time of all_reducing the model's gradient bytes in DDP's 25 MB buckets."""
+    import torch.distributed as dist
+
+    numel = sum(p.numel() for p in model.parameters())
+    cap = 25 * 1024 * 1024 // 4
+    chunks = [torch.zeros(min(cap, numel - i), device=device) for i in range(0, numel, cap)]
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.all_reduce(c, async_op=True) for c in chunks]
+        for w in works:
+            w.wait()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _exposed_comm(run, batch, device) -> float:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        run(batch)
+        _sync(device)
+    waits = [e for e in prof.key_averages() if "wait_tensor" in e.key]
+    return sum(e.self_cpu_time_total for e in waits) / 1e6
+
+
+def _bench_job(rank: int, world: int, names: list[str], variants: list[str], steps: int) -> dict:
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if not use_cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    out: dict[str, Any] = {}
+    for name in names:
+        build, make_batch, step_fn = workload(name)
+        runs: dict[str, Any] = {}
+        first: dict[str, float] = {}
+        gen = torch.Generator().manual_seed(rank)
+        batches = [make_batch(gen).to(device) for _ in range(steps + 4)]
+        for v in [*variants, "compute_only"]:
+            run, model = _build(v, build, step_fn, device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            run(batches[0])  # a fresh optimizer: spmd's bootstrap graph
+            run(batches[1])  # spmd's steady-state trace, passes and lowering
+            _sync(device)
+            first[v] = time.perf_counter() - t0
+            runs[v] = run
+        times: dict[str, list[float]] = {v: [] for v in runs}
+        windows: dict[str, list[tuple[float, float]]] = {v: [] for v in runs}
+        with RssSampler() as sampler:
+            for i, batch in enumerate(batches[2:]):
+                for v, run in runs.items():
+                    if v != "compute_only":
+                        dist.barrier()
+                    if use_cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
+                    run(batch)
+                    _sync(device)
+                    t1 = time.perf_counter()
+                    if i >= 2:
+                        times[v].append(t1 - t0)
+                        windows[v].append((t0, t1))
+        comm = _comm_only(model, device)
+        compute = statistics.median(times["compute_only"])
+        bound = max(compute, comm)
+        res: dict[str, Any] = {"compute_only_ms": 1e3 * compute, "comm_only_ms": 1e3 * comm,
+                               "lower_bound_ms": 1e3 * bound, "variants": {}}
+        ddp_med = statistics.median(times["ddp"]) if "ddp" in times else None
+        for v in variants:
+            med = statistics.median(times[v])
+            exposed = _exposed_comm(runs[v], batches[1], device) if v.startswith("spmd") else None
+            res["variants"][v] = {
+                "step_ms": 1e3 * med,
+                "ratio_to_ddp": med / ddp_med if ddp_med else None,
+                "first_call_s": first[v],
+                "peak_mem_mb": (torch.cuda.max_memory_allocated() if use_cuda else sampler.peak(windows[v])) / 2**20,
+                "exposed_comm_ms": 1e3 * exposed if exposed is not None else None,
+                "distance_to_bound": med / bound,
+            }
+        out[name] = res
+        del runs
+    return out
+
+
+def _trace_job(rank: int, world: int, layers: int) -> dict:
+    import spmd_backend
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+    from spmd_backend.testing.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab=512, dim=256, heads=4, layers=layers, seq=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    transformation = GraphModuleTransformation(enable_graph_optimization=True)
+    step = spmd_backend.compile(gm_transformation=transformation)(_lm_step)
+    batch = torch.randint(0, 512, (4, 64))
+    t0 = time.perf_counter()
+    step(model, opt, batch)
+    first_call = time.perf_counter() - t0
+    first_trace = step.graph.traced.trace_seconds
+    t0 = time.perf_counter()
+    step(model, opt, batch)
+    second_call = time.perf_counter() - t0
+    passes = sum(r.seconds for r in transformation.pass_records)
+    return {
+        "layers": layers,
+        "nodes": len(step.graph.traced.gm.graph.nodes),
+        "first_call_s": first_call,
+        "first_trace_s": first_trace,
+        "second_call_s": second_call,
+        "second_trace_s": step.graph.traced.trace_seconds,
+        "pass_pipeline_s": passes,
+        "passes": {r.name: r.seconds for r in transformation.pass_records},
+    }
+
+
+def _fmt(x: Any, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"machine: {result['meta']['machine']}, torch {result['meta']['torch']}, "
+             f"{result['meta']['ranks']} ranks ({result['meta']['backend']}), "
+             f"{result['meta']['steps']} measured steps\n"]
+    for name, res in result["workloads"].items():
+        lines.append(f"### {name}: compute-only {res['compute_only_ms']:.1f} ms, comm-only "
+                     f"{res['comm_only_ms']:.1f} ms, lower bound {res['lower_bound_ms']:.1f} ms\n")
+        lines.append("| variant | step ms | vs DDP eager | vs lower bound | first 2 calls s | peak mem MB | exposed comm ms |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for v, r in res["variants"].items():
+            lines.append(
+                f"| {v} | {r['step_ms']:.1f} | {_fmt(r['ratio_to_ddp'], '.2f')}x | "
+                f"{r['distance_to_bound']:.2f}x | {r['first_call_s']:.1f} | {r['peak_mem_mb']:.0f} | "
+                f"{_fmt(r['exposed_comm_ms'])} |"
+            )
+        lines.append("")
+    for key in ("trace12", "trace24"):
+        t = result.get(key)
+        if t:
+            lines.append(
+                f"Trace, GPT {t['layers']} layers ({t['nodes']} nodes): first call {t['first_call_s']:.2f} s "
+                f"(trace {t['first_trace_s']:.2f} s), second call {t['second_call_s']:.2f} s "
+                f"(trace {t['second_trace_s']:.2f} s), pass pipeline {t['pass_pipeline_s']:.2f} s\n"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "gpt"])
+    parser.add_argument("--variants", nargs="+", default=ALL_VARIANTS)
+    parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument("--out", default="out/bench.json")
+    parser.add_argument("--md", default="out/bench.md")
+    args = parser.parse_args()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    result: dict[str, Any] = {
+        "meta": {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "torch": torch.__version__, "ranks": args.ranks, "backend": backend, "steps": args.steps,
+            "date": time.strftime("%Y-%m-%d"),
+        }
+    }
+    result["workloads"] = run_on_ranks(
+        _bench_job, args.workloads, args.variants, args.steps,
+        world_size=args.ranks, timeout=3600, backend=backend,
+    )[0]
+    if not args.no_trace:
+        result["trace12"] = run_on_ranks(_trace_job, 12, world_size=args.ranks, timeout=1800)[0]
+        result["trace24"] = run_on_ranks(_trace_job, 24, world_size=args.ranks, timeout=1800)[0]
+    for path in (args.out, args.md):
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    pathlib.Path(args.md).write_text(md)
+    print(md)
+    print(f"wrote {args.out} and {args.md}")
+
+
+if __name__ == "__main__":
+    main()
