@@ -16,6 +16,8 @@ from spmd_backend.errors import (
 )
 from spmd_backend.parallel.data_parallel import DataParallel
 from spmd_backend.pass_manager import PassManager, PassSpec, declare_pass
+from spmd_backend.tracing.checkpoint import checkpoint
+from spmd_backend.tracing.mod_tracker import ModTracker
 from spmd_backend.tracing.overrides import Override
 
 __version__ = "0.1.0"
@@ -24,7 +26,9 @@ __all__ = [
     "compile",
     "CompiledTrainStep",
     "DataParallel",
+    "ModTracker",
     "Override",
+    "checkpoint",
     "PassManager",
     "PassSpec",
     "declare_pass",

@@ -46,6 +46,7 @@ from spmd_backend.errors import SpmdTraceError, SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase, annotate, annotated, get_phase
 from spmd_backend.graph.utils import lazy_graph_modules
+from spmd_backend.tracing.annotate import ModuleAnnotator, annotate_optimizer_fqns
 from spmd_backend.tracing.binding import LIFTED_HYPERPARAMETERS, StepBinding
 from spmd_backend.tracing.dispatch import TraceContext, TraceMode
 from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_READY
@@ -321,7 +322,8 @@ def trace_train_step(
         for i, p in enumerate(params)
         if opt is not None and p in opt.state
     }
-    ctx = TraceContext()
+    annotator = ModuleAnnotator(module)
+    ctx = TraceContext(fqn_provider=annotator.fqn, phase_provider=annotator.phase)
     saw_backward = [False]
 
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -460,7 +462,7 @@ def trace_train_step(
 
     try:
         with swapped_submodules(module, overrides), torch.fx.traceback.preserve_node_meta(), \
-                lazy_graph_modules():
+                lazy_graph_modules(), annotator.active(), torch.compiler._non_strict_tracing_context():
             gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
                 *[t.detach() for t in real_inputs]
             )
@@ -485,6 +487,11 @@ def trace_train_step(
             f"of {type(module).__name__} that requires grad"
         )
     names = _finish_graph(gm, binding, layout)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    owner = {placeholders[i]: binding.param_names[i][0] for i in range(layout.n_params)}
+    for j, (i, _k) in enumerate(layout.state_inputs):
+        owner[placeholders[layout.n_params + layout.n_buffers + j]] = binding.param_names[i][0]
+    annotate_optimizer_fqns(gm.graph, owner)
     if recompile:
         gm.recompile()
     return TracedStep(
