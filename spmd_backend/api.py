@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from spmd_backend.errors import SpmdUsageError
+from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
+from spmd_backend.graph import ops
+from spmd_backend.graph.meta import bucket_params
+from spmd_backend.graph.utils import emit_graph_artifact
+from spmd_backend.parallel.consistency import check_consistency, graph_signature
 from spmd_backend.parallel.data_parallel import (
     DataParallel,
     ExpansionReport,
@@ -42,6 +47,11 @@ from spmd_backend.tracing.overrides import Override
 from spmd_backend.tracing.trace import StepLayout, TracedStep, gather_inputs, trace_train_step
 
 log = logging.getLogger(__name__)
+
+#: compiled steps are numbered in creation order (the same on every rank of an SPMD program)
+_STEP_IDS = itertools.count()
+#: default limit on distinct graphs one compiled step may hold
+DEFAULT_MAX_GRAPHS = 8
 
 __all__ = ["compile", "CompiledTrainStep", "DataParallel", "Override"]
 
@@ -89,8 +99,11 @@ class CompiledTrainStep:
         gm_transformation: Callable[[fx.GraphModule], Callable[..., Any]] | None,
         parallel_mode: DataParallel,
         module_override: Sequence[Override],
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
     ) -> None:
         self.fn = fn
+        self.max_graphs = max_graphs
+        self._step_id = next(_STEP_IDS)
         self.gm_transformation = gm_transformation
         self.parallel_mode = parallel_mode
         self.module_override = list(module_override)
@@ -124,6 +137,14 @@ class CompiledTrainStep:
         key = binding.key()
         entry = self._cache.get(key)
         if entry is None:
+            if len(self._cache) >= self.max_graphs:
+                raise SpmdUsageError(
+                    f"spmd_backend.compile: {getattr(self.fn, '__qualname__', 'train_step')} would "
+                    f"need a new graph again ({len(self._cache)} cached, limit {self.max_graphs}); "
+                    f"this time because {self._last.key.explain(key, binding) if self._last else '?'}. "
+                    "Keep input shapes, dtypes and optimizer hyper-parameters stable (or raise "
+                    "max_graphs)"
+                )
             entry = self._compile(binding, key)
         return self._run(entry, binding, last_train_step)
 
@@ -148,6 +169,9 @@ class CompiledTrainStep:
         self.trace_count += 1
         gm = traced.gm
         expansion = expand_data_parallel(gm, mode)
+        emit_graph_artifact(f"spmd_step_{self._step_id}_trace_{self.trace_count}", gm.graph)
+        if mode.check_consistency:  # before any collective, the initial broadcast included
+            self._check_consistency(traced, mode)
         if mode.sync_module_states and id(binding.module) not in self._synced_modules:
             sync_module_states(binding.module, mode)
             self._synced_modules.add(id(binding.module))
@@ -193,6 +217,24 @@ class CompiledTrainStep:
         )
         return entry
 
+    def _check_consistency(self, traced: TracedStep, mode: DataParallel) -> None:
+        # the expanded graph: transformations are deterministic functions of it
+        lines = graph_signature(traced.gm.graph)
+        name = getattr(self.fn, "__qualname__", "train_step")
+        check_consistency(
+            lines, f"{name}#{self._step_id}/{self.trace_count}", mode.process_group(),
+            mode.consistency_timeout_s,
+        )
+
+    @staticmethod
+    def _collectives(entry: CompiledGraph) -> str:
+        graph = getattr(entry.runner, "graph", entry.traced.gm.graph)
+        rows = [
+            f"{n.name} ({', '.join(bucket_params(n)) or 'buffers'})"
+            for n in graph.nodes if ops.is_collective(n)
+        ]
+        return "; ".join(rows) or "none"
+
     def _run(self, entry: CompiledGraph, binding: StepBinding, last_train_step: bool) -> Any:
         layout = entry.layout
         flat = gather_inputs(binding, layout, entry.hyper_cache)
@@ -206,8 +248,19 @@ class CompiledTrainStep:
                     "across iterations (its forward takes no `last_iter`); pass it only with a "
                     "gm_transformation that returns an IterGraphModule"
                 )
-        with torch.no_grad():
-            outs = entry.runner(*flat, **kwargs)
+        try:
+            with torch.no_grad():
+                outs = entry.runner(*flat, **kwargs)
+        except RuntimeError as e:
+            text = str(e)
+            markers = ("timed out", "timeout", "connection", "peer", "gloo", "nccl")
+            if any(m in text.lower() for m in markers):
+                raise SpmdDistributedError(
+                    "spmd_backend: a collective of the compiled step failed or timed out (another "
+                    f"rank failed or is stuck?); the graph's collectives: {self._collectives(entry)}. "
+                    f"Cause: {text.splitlines()[0] if text else type(e).__name__}"
+                ) from e
+            raise
         entry.calls += 1
         self._last = entry
         return self._write_back(entry, binding, list(outs))
@@ -244,6 +297,8 @@ def compile(
     module_override: Sequence[Override] | None = None,
     gm_transformation: Callable[[fx.GraphModule], Callable[..., Any]] | None = None,
     parallel_mode: DataParallel | None = None,
+    *,
+    max_graphs: int = DEFAULT_MAX_GRAPHS,
 ) -> Callable[[Callable[..., Any]], CompiledTrainStep]:
     """Compile a whole data-parallel train step; use as ``@compile(...)``.
 
@@ -251,7 +306,8 @@ def compile(
     transforming the traced graph. ``gm_transformation``: called once per traced graph with the
     expanded ``fx.GraphModule``; its result is what runs (it must take the same flat inputs and
     return the same outputs). ``parallel_mode``: :class:`DataParallel` (default: SUM reduction
-    over WORLD, buffers broadcast like DDP).
+    over WORLD, buffers broadcast like DDP). ``max_graphs``: how many distinct graphs (input
+    shapes, state structure, hyper-parameters...) one step may compile before it is an error.
     """
     if parallel_mode is None:
         parallel_mode = DataParallel()
@@ -272,6 +328,7 @@ def compile(
             gm_transformation=gm_transformation,
             parallel_mode=parallel_mode,
             module_override=overrides,
+            max_graphs=max_graphs,
         )
 
     return decorator

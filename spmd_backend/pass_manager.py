@@ -40,7 +40,7 @@ import torch.fx as fx
 from spmd_backend.errors import SpmdGraphError, SpmdPassError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import annotated
-from spmd_backend.graph.utils import dump_graphs_to_files
+from spmd_backend.graph.utils import dump_graphs_to_files, emit_graph_artifact
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,8 @@ def _run_one(
     )
     if dump_dir:
         _dump(gm, dump_dir, f"{index:02d}.{spec.name}.after")
+    for name, graph in graphs_of(gm).items():
+        emit_graph_artifact(f"spmd_after_{spec.name}_{name}", graph)
     return result, record
 
 

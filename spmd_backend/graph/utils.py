@@ -189,6 +189,18 @@ def lazy_graph_modules() -> object:
     return _use_lazy_graph_module(True)
 
 
+def emit_graph_artifact(name: str, graph: fx.Graph) -> None:
+    """Emit ``graph`` as a torch structured-trace artifact (``TORCH_TRACE=dir``; tlparse shows
+    it). Free when structured tracing is off: the code is generated only if a handler listens."""
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=lambda: graph.python_code("self").src,
+    )
+
+
 def fake_mode_of(graph: fx.Graph) -> object | None:
     """The FakeTensorMode of the graph's ``meta['val']`` tensors (None when there is none)."""
     for node in graph.nodes:

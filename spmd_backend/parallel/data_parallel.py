@@ -46,13 +46,20 @@ class DataParallel:
     ``ProcessGroup``, or a 1-D ``DeviceMesh``. ``broadcast_buffers``: broadcast module buffers
     from the group's first rank at the start of every step, as DDP does by default.
     ``sync_module_states``: broadcast parameters and buffers from the group's first rank before
-    the first step, as DDP's constructor does.
+    the first step, as DDP's constructor does. ``check_finite_grads``: fail the step (on every
+    rank, before the optimizer touches anything) when a reduced gradient holds NaN or Inf.
+    ``check_consistency``: before a new graph's first collective, compare its collective schedule
+    with every rank's through the store (``consistency_timeout_s``), see
+    :mod:`spmd_backend.parallel.consistency`.
     """
 
     reduce_op: str = "sum"
     group: object = None
     broadcast_buffers: bool = True
     sync_module_states: bool = True
+    check_finite_grads: bool = False
+    check_consistency: bool = True
+    consistency_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.reduce_op not in _REDUCE_OPS:
@@ -129,6 +136,30 @@ def _insert_collective(
     return comm
 
 
+def _insert_finite_check(graph: fx.Graph, wait: fx.Node) -> None:
+    fqn = ",".join(wait.args[0].meta.get(BUCKET_PARAMS_KEY, ())) or wait.name
+    aten = torch.ops.aten
+    with graph.inserting_after(wait):
+        finite = graph.call_function(aten.isfinite.default, (wait,))
+    with graph.inserting_after(finite):
+        every = graph.call_function(aten.all.default, (finite,))
+    with graph.inserting_after(every):
+        check = graph.call_function(
+            aten._assert_async.msg, (every, f"spmd_backend: non-finite gradient for {fqn}")
+        )
+    val = wait.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        mode = val.fake_mode if isinstance(val, FakeTensor) else None
+        if mode is not None:
+            with mode:
+                finite.meta["val"] = torch.isfinite(val)
+                every.meta["val"] = finite.meta["val"].all()
+    for n in (finite, every, check):
+        annotate(n, fqn=wait.meta.get("spmd_fqn"), phase=Phase.COMM)
+
+
 def expand_data_parallel(
     gm: fx.GraphModule, mode: DataParallel, *, recompile: bool = True
 ) -> ExpansionReport:
@@ -151,9 +182,11 @@ def expand_data_parallel(
             m.replace_all_uses_with(m.args[0])
             graph.erase_node(m)
             merged += 1
-        _insert_collective(
+        comm = _insert_collective(
             graph, last, c10d.all_reduce.default, (mode.reduce_op, group_name), "all_reduce"
         )
+        if mode.check_finite_grads:
+            _insert_finite_check(graph, next(iter(comm.users)))
         n_reduce += 1
     for m in buffer_markers:
         _insert_collective(graph, m, c10d.broadcast.default, (0, group_name), "broadcast")

@@ -95,7 +95,7 @@ class OptimSpec:
 class ParityCase:
     """One parity experiment: model x optimizer x reduction x optional transformation."""
 
-    model: str
+    model: Any  # a registered model name, or an object with the ModelEntry interface
     optim: OptimSpec = field(default_factory=OptimSpec)
     steps: int = 10
     reduce_op: str = "sum"
@@ -103,8 +103,11 @@ class ParityCase:
     seed: int = 0
 
     def label(self) -> str:
-        t = getattr(self.transformation, "__name__", None)
-        return f"{self.model}/{self.optim.label()}/{self.reduce_op}" + (f"/{t}" if t else "")
+        t = getattr(self.transformation, "__name__", None) or (
+            type(self.transformation).__name__ if self.transformation is not None else None
+        )
+        model = self.model if isinstance(self.model, str) else self.model.describe()
+        return f"{model}/{self.optim.label()}/{self.reduce_op}" + (f"/{t}" if t else "")
 
 
 @dataclass
@@ -138,7 +141,7 @@ def make_train_step(entry: ModelEntry) -> Callable[..., torch.Tensor]:
 
 def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResult:
     """Train a compiled step and DDP side by side; assert they agree (run on every rank)."""
-    entry = MODELS[case.model]
+    entry = MODELS[case.model] if isinstance(case.model, str) else case.model
     torch.manual_seed(case.seed)
     model = entry.build()
     ref_model = copy.deepcopy(model)

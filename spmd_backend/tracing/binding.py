@@ -149,8 +149,18 @@ class StepBinding:
         params, param_names = _unique_named(module.named_parameters(remove_duplicate=False))
         buffers, buffer_names = _unique_named(module.named_buffers(remove_duplicate=False))
         index = {id(p): i for i, p in enumerate(params)}
+        devices = sorted({str(p.device) for p in params})
+        if len(devices) > 1:
+            raise SpmdUsageError(
+                f"spmd_backend.compile: the parameters of {type(module).__name__} are on several "
+                f"devices ({', '.join(devices)}); data parallelism needs one device per rank"
+            )
 
         if optimizer is not None:
+            if not any(g["params"] for g in optimizer.param_groups):
+                raise SpmdUsageError(
+                    f"spmd_backend.compile: {type(optimizer).__name__} holds no parameters"
+                )
             for g, group in enumerate(optimizer.param_groups):
                 for j, p in enumerate(group["params"]):
                     if id(p) not in index:

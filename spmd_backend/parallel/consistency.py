@@ -1,0 +1,102 @@
+"""Cross-rank consistency of compiled graphs, checked through the c10d store (never a collective).
+
+Before a new graph runs its first collective, every rank posts a signature of it under a key
+that all ranks derive the same way (compiled-step index, trace number) and waits, with a
+timeout, for every other rank's. A signature lists what ranks must agree on for their
+collectives to match: the state inputs (parameters, buffers, optimizer state, with shapes and
+dtypes) and every collective in order (op, reduce op, group, payload shape and dtype, the
+parameters of its bucket). Activation shapes and the compute between collectives are not part
+of it, so ranks may use different batch sizes, as with DDP. A mismatch
+raises :class:`~spmd_backend.errors.SpmdDistributedError` on every rank, naming the first
+differing node; a rank that never posts (it failed, or did not trace at this step) makes the
+others fail after the timeout instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from spmd_backend.errors import SpmdDistributedError
+from spmd_backend.graph import ops
+
+log = logging.getLogger(__name__)
+
+#: seconds a rank waits for the others' graph signatures
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def graph_signature(graph: fx.Graph) -> list[str]:
+    """The lines ranks must agree on: state inputs and the collective schedule."""
+    from spmd_backend.graph.meta import bucket_params
+
+    lines = []
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        spec = f"{list(val.shape)}:{val.dtype}" if isinstance(val, torch.Tensor) else "?"
+        if node.op == "placeholder" and not node.name.startswith("a_"):
+            lines.append(f"input {node.name} {spec}")
+        elif ops.is_collective(node):
+            payload = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            pspec = f"{list(payload.shape)}:{payload.dtype}" if isinstance(payload, torch.Tensor) else "?"
+            extra = ",".join(repr(a) for a in node.args[1:])
+            lines.append(
+                f"collective {node.name} {node.target}({extra}) payload {pspec} "
+                f"params {bucket_params(node)}"
+            )
+    return lines
+
+
+def _store() -> dist.Store:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def check_consistency(
+    lines: list[str], key: str, group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> str:
+    """Post ``lines`` under ``key`` and compare with every rank of ``group``; returns the digest."""
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    world = dist.get_world_size(group)
+    if world == 1 or dist.get_backend(group) == "fake":
+        return digest  # nobody to disagree with (the fake backend has no real peers)
+    rank = dist.get_rank(group)
+    store = _store()
+    payload = json.dumps({"digest": digest, "lines": lines})
+    store.set(f"spmd/{key}/{rank}", payload)
+    keys = [f"spmd/{key}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError on timeout
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise SpmdDistributedError(
+            f"spmd_backend: rank(s) {missing} did not publish their compiled graph ({key}) within "
+            f"{timeout_s:.0f}s: they failed, or traced a different step; refusing to run a "
+            "collective that could hang"
+        ) from e
+    for r, k in enumerate(keys):
+        if r == rank:
+            continue
+        other = json.loads(store.get(k))
+        if other["digest"] == digest:
+            continue
+        theirs = other["lines"]
+        for a, b in zip(lines, theirs):
+            if a != b:
+                raise SpmdDistributedError(
+                    f"spmd_backend: the compiled graph of rank {rank} differs from rank {r}'s "
+                    f"({key}):\n  rank {rank}: {a}\n  rank {r}: {b}"
+                )
+        raise SpmdDistributedError(
+            f"spmd_backend: the compiled graph of rank {rank} has {len(lines)} state inputs and "
+            f"collectives, rank {r}'s has {len(theirs)} ({key})"
+        )
+    log.debug("graph %s consistent across %d ranks (%s)", key, world, digest[:12])
+    return digest

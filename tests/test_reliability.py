@@ -1,0 +1,272 @@
+"""Reliability: cross-rank consistency, faults, resumable state, bad input, random models.
+
+Every multi-rank case asserts an error on *every* rank within a bounded time, never a hang.
+``SPMD_RANDOM_CASES=N`` runs N random models instead of the fixed CI set
+(``python tools/reliability.py`` does, and writes docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_backend
+from spmd_backend import DataParallel, SpmdDistributedError, SpmdUsageError
+from spmd_backend.testing import RankPool, check_ddp_parity
+from spmd_backend.testing.models import MLP
+from spmd_backend.testing.random_models import random_case
+
+pytestmark = pytest.mark.multirank
+
+FAST_CHECK = DataParallel(consistency_timeout_s=10)
+
+
+def _step(model, optim, batch):
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+# ----------------------------------------------------------------------------- consistency
+def _mismatched_params_job(rank: int, world: int) -> str:
+    model = MLP(8, 16 if rank == 0 else 12, 2, 4)  # rank 1 has different parameter shapes
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        spmd_backend.compile(parallel_mode=FAST_CHECK)(_step)(model, opt, torch.randn(4, 8))
+    except SpmdDistributedError as e:
+        return str(e)
+    return "ran"
+
+
+def test_mismatched_parameter_shapes_fail_on_every_rank(rank_pool):
+    t0 = time.monotonic()
+    messages = rank_pool.run(_mismatched_params_job, timeout=60)
+    assert time.monotonic() - t0 < 60
+    for m in messages:
+        assert "differs from rank" in m and "p_layers_0_weight" in m, m
+
+
+def _batch_sizes_job(rank: int, world: int) -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = spmd_backend.compile(parallel_mode=DataParallel(reduce_op="avg"))(_step)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        batch = torch.randn(8 if rank == 0 else 3, 8, generator=gen)  # different per rank
+        step(model, opt, batch)
+        _step(ddp, ref_opt, batch)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    return float(sum(p.sum() for p in model.parameters()))
+
+
+def test_different_batch_sizes_per_rank_are_allowed(rank_pool):
+    a, b = rank_pool.run(_batch_sizes_job)
+    assert a == pytest.approx(b)
+
+
+# ----------------------------------------------------------------------------- faults
+def _failing_rank_job(rank: int, world: int) -> str:
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, optim, batch):
+        if rank == 1:
+            raise ValueError("rank 1 data loader broke")
+        return _step(model, optim, batch)
+
+    try:
+        spmd_backend.compile(parallel_mode=FAST_CHECK)(step)(model, opt, torch.randn(4, 8))
+    except SpmdDistributedError as e:
+        return f"SpmdDistributedError: {e}"
+    except spmd_backend.SpmdTraceError as e:
+        return f"SpmdTraceError: {e}"
+    return "ran"
+
+
+def test_a_rank_raising_makes_the_others_fail_in_bounded_time(rank_pool):
+    t0 = time.monotonic()
+    messages = rank_pool.run(_failing_rank_job, timeout=90)
+    assert time.monotonic() - t0 < 60
+    assert messages[1].startswith("SpmdTraceError") and "data loader broke" in messages[1]
+    assert messages[0].startswith("SpmdDistributedError") and "rank(s) [1] did not publish" in messages[0]
+
+
+def _killed_rank_job(rank: int, world: int) -> str:
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile(parallel_mode=FAST_CHECK)(_step)
+    step(model, opt, torch.randn(4, 8))  # both ranks traced and ran once
+    if rank == 1:
+        os._exit(3)  # the process dies between steps
+    for _ in range(3):
+        step(model, opt, torch.randn(4, 8))  # rank 0: must raise, not hang
+    return "ran"
+
+
+def test_a_killed_rank_is_reported_with_the_collectives(tmp_path):
+    pool = RankPool(2, timeout=30, failure_grace=60)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SpmdDistributedError, match="collective of the compiled step failed") as info:
+            pool.run(_killed_rank_job, timeout=90)
+        assert time.monotonic() - t0 < 90
+        message = str(info.value)
+        assert "all_reduce" in message and "layers.0.weight" in message, message
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "rank 1 exited with code 3" in notes
+    finally:
+        pool.close(kill=True)
+
+
+# ----------------------------------------------------------------------------- nothing lost
+def _nan_job(rank: int, world: int) -> tuple[str, bool]:
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = spmd_backend.compile(parallel_mode=DataParallel(check_finite_grads=True))(_step)
+    step(model, opt, torch.randn(4, 8))
+    step(model, opt, torch.randn(4, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = copy.deepcopy(opt.state_dict())
+    batch = torch.randn(4, 8)
+    if rank == 0:
+        batch[0, 0] = float("nan")
+    try:
+        step(model, opt, batch)
+    except RuntimeError as e:
+        untouched = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        state = opt.state_dict()["state"]
+        untouched &= all(
+            torch.equal(state[i]["momentum_buffer"], state_before["state"][i]["momentum_buffer"])
+            for i in state
+        )
+        return str(e), untouched
+    return "ran", False
+
+
+def test_non_finite_gradients_fail_every_rank_before_any_update(rank_pool):
+    for message, untouched in rank_pool.run(_nan_job):
+        assert "non-finite gradient for" in message
+        assert untouched, "a failed step must not leave parameters or state half-updated"
+
+
+def _resume_job(rank: int, world: int, phase: str, path: str) -> list[float]:
+    from test_iter_move_ranks import move_last_layer_update
+
+    from spmd_backend.testing.models import MODELS
+    from spmd_backend.testing.parity import make_train_step
+
+    entry = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = entry.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
+    step = spmd_backend.compile(gm_transformation=move_last_layer_update)(make_train_step(entry))
+    gen = torch.Generator().manual_seed(rank)
+    batches = [entry.batch(gen) for _ in range(8)]
+    start = 0
+    if phase == "resume":
+        state = torch.load(f"{path}.{rank}", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        start = 4
+    for i in range(start, 8):
+        step(model, opt, batches[i], **({"last_train_step": True} if i == 7 else {}))
+        if phase == "save" and i == 3:
+            step.compiled.flush()  # nothing pending: the checkpoint is complete
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{path}.{rank}")
+    return [float(p.double().sum()) for p in model.parameters()]
+
+
+def test_checkpoint_mid_training_and_resume_in_new_processes(tmp_path):
+    from spmd_backend.testing import run_on_ranks
+
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_on_ranks(_resume_job, "save", path, world_size=2, timeout=180)
+    resumed = run_on_ranks(_resume_job, "resume", path, world_size=2, timeout=180)
+    assert resumed == uninterrupted
+
+
+# ----------------------------------------------------------------------------- bad input
+def _world_size_one(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile()(_step)
+    return float(step(model, opt, torch.randn(4, 8)))
+
+
+def test_world_size_one():
+    from spmd_backend.testing import run_on_ranks
+
+    (loss,) = run_on_ranks(_world_size_one, world_size=1, timeout=120)
+    assert loss > 0
+
+
+def test_retrace_limit(fake_pg):
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile(max_graphs=2)(_step)
+    step(model, opt, torch.randn(4, 8))
+    step(model, opt, torch.randn(5, 8))
+    with pytest.raises(SpmdUsageError, match=r"new graph again \(2 cached, limit 2\).*args\[2\]"):
+        step(model, opt, torch.randn(6, 8))
+
+
+def test_parameters_on_several_devices(fake_pg):
+    model = MLP(8, 16, 2, 4)
+    model.layers[0].bias = nn.Parameter(torch.zeros(16, device="meta"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(SpmdUsageError, match="on several devices \\(cpu, meta\\)"):
+        spmd_backend.compile()(_step)(model, opt, torch.randn(4, 8))
+
+
+def test_optimizer_without_parameters(fake_pg):
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.param_groups[0]["params"] = []
+    with pytest.raises(SpmdUsageError, match="holds no parameters"):
+        spmd_backend.compile()(_step)(model, opt, torch.randn(4, 8))
+
+
+def test_module_changed_after_first_call_retraces(fake_pg, caplog):
+    import logging
+
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile()(_step)
+    step(model, opt, torch.randn(4, 8))
+    model.layers[1].weight = nn.Parameter(torch.randn(4, 16))
+    opt.param_groups[0]["params"][2] = model.layers[1].weight
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        step(model, opt, torch.randn(4, 8))
+    assert any("parameter 'layers.1.weight' changed" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- random models
+CI_SEEDS = [1, 2, 3, 5, 8]
+
+
+def _seeds() -> list[int]:
+    n = int(os.environ.get("SPMD_RANDOM_CASES", "0"))
+    return list(range(100, 100 + n)) if n else CI_SEEDS
+
+
+@pytest.mark.parametrize("seed", _seeds())
+def test_random_model_matches_ddp(rank_pool, seed):
+    case = random_case(seed)
+    result = rank_pool.run(check_ddp_parity, case)[0]
+    assert result.losses[0] != result.losses[-1]
