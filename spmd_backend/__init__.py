@@ -16,6 +16,7 @@ from spmd_backend.errors import (
 )
 from spmd_backend.parallel.data_parallel import DataParallel
 from spmd_backend.pass_manager import PassManager, PassSpec, declare_pass
+from spmd_backend.tracing.binding import mark_dynamic
 from spmd_backend.tracing.checkpoint import checkpoint
 from spmd_backend.tracing.mod_tracker import ModTracker
 from spmd_backend.tracing.overrides import Override
@@ -29,6 +30,7 @@ __all__ = [
     "ModTracker",
     "Override",
     "checkpoint",
+    "mark_dynamic",
     "PassManager",
     "PassSpec",
     "declare_pass",

@@ -100,9 +100,11 @@ class CompiledTrainStep:
         parallel_mode: DataParallel,
         module_override: Sequence[Override],
         max_graphs: int = DEFAULT_MAX_GRAPHS,
+        dynamic_batch: bool = False,
     ) -> None:
         self.fn = fn
         self.max_graphs = max_graphs
+        self.dynamic_batch = dynamic_batch
         self._step_id = next(_STEP_IDS)
         self.gm_transformation = gm_transformation
         self.parallel_mode = parallel_mode
@@ -133,7 +135,7 @@ class CompiledTrainStep:
     # ----------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         last_train_step = bool(kwargs.pop("last_train_step", False))
-        binding = StepBinding.from_call(args, kwargs)
+        binding = StepBinding.from_call(args, kwargs, batch_dim_dynamic=self.dynamic_batch)
         key = binding.key()
         entry = self._cache.get(key)
         if entry is None:
@@ -299,6 +301,7 @@ def compile(
     parallel_mode: DataParallel | None = None,
     *,
     max_graphs: int = DEFAULT_MAX_GRAPHS,
+    dynamic_batch: bool = False,
 ) -> Callable[[Callable[..., Any]], CompiledTrainStep]:
     """Compile a whole data-parallel train step; use as ``@compile(...)``.
 
@@ -308,6 +311,8 @@ def compile(
     return the same outputs). ``parallel_mode``: :class:`DataParallel` (default: SUM reduction
     over WORLD, buffers broadcast like DDP). ``max_graphs``: how many distinct graphs (input
     shapes, state structure, hyper-parameters...) one step may compile before it is an error.
+    ``dynamic_batch``: trace dim 0 of every tensor argument symbolically (a ragged last batch
+    reuses the graph); ``spmd_backend.mark_dynamic(t, dims)`` marks single tensors.
     """
     if parallel_mode is None:
         parallel_mode = DataParallel()
@@ -329,6 +334,7 @@ def compile(
             parallel_mode=parallel_mode,
             module_override=overrides,
             max_graphs=max_graphs,
+            dynamic_batch=dynamic_batch,
         )
 
     return decorator

@@ -270,3 +270,33 @@ def test_random_model_matches_ddp(rank_pool, seed):
     case = random_case(seed)
     result = rank_pool.run(check_ddp_parity, case)[0]
     assert result.losses[0] != result.losses[-1]
+
+
+# ----------------------------------------------------------------------------- dynamic batch
+def test_dynamic_batch_dimension_avoids_retraces(fake_pg):
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=True)
+    step = spmd_backend.compile(dynamic_batch=True)(_step)
+    for size in [8, 8, 5, 3, 7, 2]:  # a ragged tail of batches
+        batch = torch.randn(size, 8)
+        step(model, opt, batch)
+        _step(ref, ref_opt, batch)
+    assert step.trace_count == 2 and step.cache_size() == 1  # bootstrap + one steady graph
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    step(model, opt, torch.randn(1, 8))  # sizes 0 and 1 stay specialized
+    assert step.cache_size() == 2
+
+
+def test_mark_dynamic_on_one_argument(fake_pg):
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile()(_step)
+    for size in [6, 4, 9]:
+        step(model, opt, spmd_backend.mark_dynamic(torch.randn(size, 8), 0))
+    assert step.trace_count == 1
+    with pytest.raises(SpmdUsageError, match="dim 2 out of range"):
+        spmd_backend.mark_dynamic(torch.randn(3, 8), 2)

@@ -9,6 +9,7 @@ decides whether a cached graph may be reused. It never mutates anything.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -36,8 +37,40 @@ def _hashable(value: Any) -> Any:
     return ("object", type(value).__qualname__, id(value))
 
 
-def _leaf_key(leaf: Any) -> Any:
+#: attribute ``mark_dynamic`` sets on a tensor: the dims traced symbolically
+DYNAMIC_DIMS_ATTR = "_spmd_dynamic_dims"
+
+
+def mark_dynamic(t: torch.Tensor, dims: int | Sequence[int] = 0) -> torch.Tensor:
+    """Trace ``dims`` of ``t`` symbolically: another size there reuses the compiled graph.
+
+    Sizes 0 and 1 stay specialized (like torch.compile's), so a graph traced for a batch of 8
+    serves every batch of 2 or more. Returns ``t``.
+    """
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    for d in dims:
+        if not -t.dim() <= d < t.dim():
+            raise SpmdUsageError(f"mark_dynamic: dim {d} out of range for a {t.dim()}-d tensor")
+    setattr(t, DYNAMIC_DIMS_ATTR, {d % t.dim() for d in dims})
+    return t
+
+
+def dynamic_dims(t: torch.Tensor, batch_dim_dynamic: bool) -> set[int]:
+    """The dims of an argument tensor traced symbolically."""
+    dims = set(getattr(t, DYNAMIC_DIMS_ATTR, ()))
+    if batch_dim_dynamic and t.dim() > 0:
+        dims.add(0)
+    return dims
+
+
+def _leaf_key(leaf: Any, batch_dim_dynamic: bool = False) -> Any:
     if isinstance(leaf, torch.Tensor):
+        dyn = dynamic_dims(leaf, batch_dim_dynamic)
+        if dyn:
+            shape = tuple(
+                (("dyn", s if s < 2 else ">=2") if i in dyn else s) for i, s in enumerate(leaf.shape)
+            )
+            return ("tensor", shape, leaf.dtype, leaf.device, leaf.requires_grad)
         return ("tensor",) + _tensor_spec(leaf)
     if isinstance(leaf, nn.Module):
         return ("module", id(leaf))
@@ -95,7 +128,8 @@ class StepKey:
 def _fmt(spec: Any) -> str:
     if isinstance(spec, tuple) and spec and spec[0] == "tensor":
         shape, dtype, device, rg = spec[1:]
-        return f"tensor(shape={list(shape)}, dtype={dtype}, device={device}, requires_grad={rg})"
+        dims = [d[1] if isinstance(d, tuple) else d for d in shape]
+        return f"tensor(shape={dims}, dtype={dtype}, device={device}, requires_grad={rg})"
     if spec is None:
         return "None"
     return repr(spec)
@@ -115,9 +149,10 @@ class StepBinding:
     args_spec: Any
     args: tuple
     kwargs: dict
+    batch_dim_dynamic: bool = False
 
     @classmethod
-    def from_call(cls, args: tuple, kwargs: dict) -> StepBinding:
+    def from_call(cls, args: tuple, kwargs: dict, batch_dim_dynamic: bool = False) -> StepBinding:
         flat, spec = pytree.tree_flatten((args, kwargs))
         modules: list[nn.Module] = []
         optims: list[torch.optim.Optimizer] = []
@@ -181,6 +216,7 @@ class StepBinding:
             args_spec=spec,
             args=args,
             kwargs=kwargs,
+            batch_dim_dynamic=batch_dim_dynamic,
         )
 
     # ------------------------------------------------------------------ derived views
@@ -238,7 +274,7 @@ class StepBinding:
             groups=groups,
             state=state,
             args_spec=self.args_spec,
-            args=tuple(_leaf_key(leaf) for leaf in self.flat_args),
+            args=tuple(_leaf_key(leaf, self.batch_dim_dynamic) for leaf in self.flat_args),
         )
 
 

@@ -463,9 +463,15 @@ def trace_train_step(
     try:
         with swapped_submodules(module, overrides), torch.fx.traceback.preserve_node_meta(), \
                 lazy_graph_modules(), annotator.active(), torch.compiler._non_strict_tracing_context():
-            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
-                *[t.detach() for t in real_inputs]
-            )
+            symbolic = _symbolic_inputs(binding, layout, real_inputs)
+            if symbolic is None:
+                gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
+                    *[t.detach() for t in real_inputs]
+                )
+            else:
+                fake_mode, fake_inputs = symbolic
+                with fake_mode:
+                    gm = make_fx(step, tracing_mode="real")(*fake_inputs)
     except SpmdUsageError:
         raise
     except SpmdTraceError:
@@ -497,6 +503,38 @@ def trace_train_step(
     return TracedStep(
         gm=gm, layout=layout, trace_seconds=time.perf_counter() - t0, placeholder_names=names
     )
+
+
+def _symbolic_inputs(
+    binding: StepBinding, layout: StepLayout, real_inputs: list[torch.Tensor]
+) -> tuple[Any, list[torch.Tensor]] | None:
+    """Fake inputs with symbolic dims where arguments are marked dynamic (None: none are)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    from spmd_backend.tracing.binding import dynamic_dims
+
+    n_state = layout.n_inputs - len(layout.arg_inputs)
+    arg_dims = [dynamic_dims(binding.flat_args[j], binding.batch_dim_dynamic) for j in layout.arg_inputs]
+    arg_dims = [{d for d in dims if binding.flat_args[j].shape[d] >= 2}
+                for dims, j in zip(arg_dims, layout.arg_inputs)]
+    if not any(arg_dims):
+        return None
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [mode.from_tensor(t.detach(), static_shapes=True) for t in real_inputs[:n_state]]
+    for t, dims in zip(real_inputs[n_state:], arg_dims):
+        if dims:
+            context = StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DYNAMIC if i in dims else DimDynamic.STATIC for i in range(t.dim())]
+            )
+            fakes.append(mode.from_tensor(t.detach(), symbolic_context=context))
+        else:
+            fakes.append(mode.from_tensor(t.detach(), static_shapes=True))
+    return mode, fakes
 
 
 def _is_redundant_functional_copy(node: fx.Node) -> bool:
