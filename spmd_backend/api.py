@@ -43,8 +43,9 @@ from spmd_backend.parallel.data_parallel import (
     sync_module_states,
 )
 from spmd_backend.tracing.binding import StepBinding, StepKey
+from spmd_backend.tracing.layout import StepLayout, gather_inputs
 from spmd_backend.tracing.overrides import Override
-from spmd_backend.tracing.trace import StepLayout, TracedStep, gather_inputs, trace_train_step
+from spmd_backend.tracing.trace import TracedStep, trace_train_step
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,11 @@ are swapped back in a ``finally`` block whatever happens.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,61 +42,20 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from spmd_backend.errors import SpmdTraceError, SpmdUsageError
-from spmd_backend.graph import ops
-from spmd_backend.graph.meta import Phase, annotate, annotated, get_phase
 from spmd_backend.graph.utils import lazy_graph_modules
 from spmd_backend.tracing.annotate import ModuleAnnotator, annotate_optimizer_fqns
-from spmd_backend.tracing.binding import LIFTED_HYPERPARAMETERS, StepBinding
+from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.dispatch import TraceContext, TraceMode
+from spmd_backend.tracing.finish import finish_graph
+from spmd_backend.tracing.layout import StepLayout, plan_inputs
 from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_READY
+from spmd_backend.tracing.optimizer_swap import optimizer_swapped
 from spmd_backend.tracing.overrides import Override, swapped_submodules
 
 log = logging.getLogger(__name__)
 
 _CONST_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 
-
-@dataclass
-class StepLayout:
-    """How the flat graph inputs and outputs map to the live objects of a call."""
-
-    n_params: int
-    n_buffers: int
-    state_inputs: list[tuple[int, str]]
-    hyper_inputs: list[tuple[int, str]]
-    grad_inputs: list[int]
-    arg_inputs: list[int]
-    out_spec: Any = None
-    out_leaves: list[tuple[str, Any]] = field(default_factory=list)
-    n_user_tensors: int = 0
-    state_outputs: list[tuple[int, str]] = field(default_factory=list)
-    state_consts: list[tuple[int, str, Any]] = field(default_factory=list)
-    state_touched: list[int] = field(default_factory=list)
-    grad_outputs: list[int] = field(default_factory=list)
-    creates_state: bool = False
-    n_grad_markers: int = 0
-
-    @property
-    def n_inputs(self) -> int:
-        return (
-            self.n_params
-            + self.n_buffers
-            + len(self.state_inputs)
-            + len(self.hyper_inputs)
-            + len(self.grad_inputs)
-            + len(self.arg_inputs)
-        )
-
-    def input_kinds(self) -> list[str]:
-        """The kind of every placeholder, in order (``param``, ``buffer``, ``state``, ...)."""
-        return (
-            ["param"] * self.n_params
-            + ["buffer"] * self.n_buffers
-            + ["state"] * len(self.state_inputs)
-            + ["hyper"] * len(self.hyper_inputs)
-            + ["grad"] * len(self.grad_inputs)
-            + ["arg"] * len(self.arg_inputs)
-        )
 
 
 @dataclass
@@ -122,167 +80,6 @@ def _from_fun(t: torch.Tensor) -> torch.Tensor:
 def _is_fun(t: object) -> bool:
     return isinstance(t, FunctionalTensor)
 
-
-def _sanitize(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
-
-
-def _hyper_tensor(value: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    return torch.tensor(float(value), dtype=torch.get_default_dtype(), device=device)
-
-
-def gather_hyperparameters(
-    optimizer: torch.optim.Optimizer | None, hyper_inputs: Sequence[tuple[int, str]],
-    cache: dict[tuple[int, str], tuple[Any, torch.Tensor]] | None = None,
-) -> list[torch.Tensor]:
-    """The current values of the lifted hyper-parameters, as tensors (cached by value)."""
-    out: list[torch.Tensor] = []
-    assert optimizer is not None or not hyper_inputs
-    for g, k in hyper_inputs:
-        group = optimizer.param_groups[g]  # type: ignore[union-attr]
-        value = group[k]
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-            continue
-        if cache is not None:
-            hit = cache.get((g, k))
-            if hit is not None and hit[0] == value:
-                out.append(hit[1])
-                continue
-        device = group["params"][0].device if group["params"] else torch.device("cpu")
-        t = _hyper_tensor(value, device)
-        if cache is not None:
-            cache[(g, k)] = (value, t)
-        out.append(t)
-    return out
-
-
-def plan_inputs(binding: StepBinding) -> tuple[StepLayout, list[torch.Tensor]]:
-    """The input half of the layout and the real tensors to feed, for ``binding``."""
-    opt = binding.optimizer
-    state_inputs: list[tuple[int, str]] = []
-    hyper_inputs: list[tuple[int, str]] = []
-    if opt is not None:
-        for i, p in enumerate(binding.params):
-            st = opt.state.get(p)
-            if not st:
-                continue
-            for k in sorted(st.keys(), key=str):
-                if isinstance(st[k], torch.Tensor):
-                    state_inputs.append((i, k))
-        for g, group in enumerate(opt.param_groups):
-            if not group["params"]:
-                continue
-            for k in sorted(group.keys()):
-                if k in LIFTED_HYPERPARAMETERS or (
-                    k != "params" and isinstance(group[k], torch.Tensor)
-                ):
-                    hyper_inputs.append((g, k))
-    grad_inputs = [i for i, p in enumerate(binding.params) if p.grad is not None]
-    arg_inputs = [j for j, a in enumerate(binding.flat_args) if isinstance(a, torch.Tensor)]
-    layout = StepLayout(
-        n_params=len(binding.params),
-        n_buffers=len(binding.buffers),
-        state_inputs=state_inputs,
-        hyper_inputs=hyper_inputs,
-        grad_inputs=grad_inputs,
-        arg_inputs=arg_inputs,
-    )
-    return layout, gather_inputs(binding, layout)
-
-
-def gather_inputs(
-    binding: StepBinding,
-    layout: StepLayout,
-    hyper_cache: dict[tuple[int, str], tuple[Any, torch.Tensor]] | None = None,
-) -> list[torch.Tensor]:
-    """The real tensors, in placeholder order, for one call that matches ``layout``."""
-    opt = binding.optimizer
-    params = binding.params
-    flat: list[torch.Tensor] = list(params)
-    flat.extend(binding.buffers)
-    if layout.state_inputs:
-        state = opt.state  # type: ignore[union-attr]
-        flat.extend(state[params[i]][k] for i, k in layout.state_inputs)
-    flat.extend(gather_hyperparameters(opt, layout.hyper_inputs, hyper_cache))
-    flat.extend(params[i].grad for i in layout.grad_inputs)  # type: ignore[misc]
-    args = binding.flat_args
-    flat.extend(args[j] for j in layout.arg_inputs)
-    return flat
-
-
-@contextlib.contextmanager
-def _optimizer_swapped(
-    opt: torch.optim.Optimizer,
-    f_params: list[torch.Tensor],
-    index: dict[int, int],
-    f_state: dict[int, dict[str, Any]],
-    f_hyper: dict[tuple[int, str], torch.Tensor],
-    ctx: TraceContext,
-) -> Iterator[collections.defaultdict]:
-    """Point the optimizer at the lifted tensors for the trace; always restore it."""
-    saved_groups = [dict(g) for g in opt.param_groups]
-    saved_state = opt.state
-    new_state: collections.defaultdict = collections.defaultdict(dict)
-    for i, entries in f_state.items():
-        new_state[f_params[i]] = dict(entries)
-    saved_flag = torch.compiler._is_compiling_flag
-
-    def pre_hook(*_: object) -> None:
-        ctx.in_optimizer = True
-        torch.compiler._is_compiling_flag = True
-
-    def post_hook(*_: object) -> None:
-        ctx.in_optimizer = False
-        torch.compiler._is_compiling_flag = saved_flag
-
-    handles = [opt.register_step_pre_hook(pre_hook), opt.register_step_post_hook(post_hook)]
-    try:
-        for g, group in enumerate(opt.param_groups):
-            group["params"] = [f_params[index[id(p)]] for p in group["params"]]
-            for (hg, k), t in f_hyper.items():
-                if hg == g:
-                    group[k] = t
-            if "capturable" in group:
-                group["capturable"] = True
-            if _can_default_to_fused(group):
-                group["fused"] = True
-        opt.state = new_state
-        yield new_state
-    finally:
-        for h in handles:
-            h.remove()
-        ctx.in_optimizer = False
-        torch.compiler._is_compiling_flag = saved_flag
-        opt.state = saved_state
-        for group, saved in zip(opt.param_groups, saved_groups):
-            group.clear()
-            group.update(saved)
-
-
-def _fused_supported_devices() -> list[str]:
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-    return _get_fused_kernels_supported_devices()
-
-
-def _can_default_to_fused(group: dict[str, Any]) -> bool:
-    """True when a group left the implementation to torch and the fused kernel can run it.
-
-    torch picks the single-tensor loop on CPU for eager speed; in a compiled graph one fused
-    kernel is both faster and far cheaper to trace, so an unspecified implementation is traced
-    as fused where the kernel supports every parameter. Explicit choices are respected.
-    """
-    if "fused" not in group or group.get("fused") is not None or group.get("foreach") is not None:
-        return False
-    if group.get("differentiable"):
-        return False
-    supported = _fused_supported_devices()
-    return all(
-        torch.is_floating_point(p) and p.device.type in supported for p in group["params"]
-    )
 
 
 def _check_output_leaf(leaf: Any, path: str) -> None:
@@ -381,7 +178,7 @@ def trace_train_step(
                 leaves[j] = fa
             args, kwargs = pytree.tree_unflatten(leaves, binding.args_spec)
             opt_cm = (
-                _optimizer_swapped(opt, f_params, index, f_state, f_hyper, ctx)
+                optimizer_swapped(opt, f_params, index, f_state, f_hyper, ctx)
                 if opt is not None
                 else contextlib.nullcontext(None)
             )
@@ -492,7 +289,7 @@ def trace_train_step(
             "loss.backward() was never called, or the loss does not depend on any parameter "
             f"of {type(module).__name__} that requires grad"
         )
-    names = _finish_graph(gm, binding, layout)
+    names = finish_graph(gm, binding, layout)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     owner = {placeholders[i]: binding.param_names[i][0] for i in range(layout.n_params)}
     for j, (i, _k) in enumerate(layout.state_inputs):
@@ -537,75 +334,3 @@ def _symbolic_inputs(
     return mode, fakes
 
 
-def _is_redundant_functional_copy(node: fx.Node) -> bool:
-    if not ops.is_call_to(node, torch.ops.aten.copy.default) or len(node.args) < 2:
-        return False
-    dst, src = node.args[0], node.args[1]
-    if not isinstance(dst, fx.Node) or not isinstance(src, fx.Node):
-        return False
-    a, b = dst.meta.get("val"), src.meta.get("val")
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return False
-    return (
-        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-        and a.stride() == b.stride()
-    )
-
-
-def _finish_graph(gm: fx.GraphModule, binding: StepBinding, layout: StepLayout) -> list[str]:
-    """Clean the raw make_fx graph: drop profiler/detach nodes, name and annotate I/O."""
-    graph = gm.graph
-    for node in reversed(list(graph.nodes)):
-        if ops.is_profiler_op(node) and not node.users:
-            graph.erase_node(node)
-        elif ops.is_detach(node):
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-        elif _is_redundant_functional_copy(node):
-            # `dst.copy_(src)` on a functional tensor becomes `aten.copy(dst, src)`: when src
-            # already has dst's metadata the result is just src (the write-back copy_ to the
-            # input, if any, stays)
-            node.replace_all_uses_with(node.args[1])
-            graph.erase_node(node)
-
-    # readable placeholder names and input annotations
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    labels: list[tuple[str, str | None]] = []
-    for names in binding.param_names:
-        labels.append((f"p_{_sanitize(names[0])}", names[0].rpartition(".")[0]))
-    for names in binding.buffer_names:
-        labels.append((f"b_{_sanitize(names[0])}", names[0].rpartition(".")[0]))
-    for i, k in layout.state_inputs:
-        name = binding.param_names[i][0]
-        labels.append((f"s_{_sanitize(name)}_{_sanitize(str(k))}", name.rpartition(".")[0]))
-    for g, k in layout.hyper_inputs:
-        labels.append((f"h_{_sanitize(k)}_g{g}", None))
-    for i in layout.grad_inputs:
-        name = binding.param_names[i][0]
-        labels.append((f"g_{_sanitize(name)}", name.rpartition(".")[0]))
-    paths = binding.arg_paths()
-    for j in layout.arg_inputs:
-        labels.append((f"a_{_sanitize(paths[j]).strip('_')}", None))
-    if len(labels) != len(placeholders):
-        raise SpmdTraceError(
-            f"internal: {len(placeholders)} placeholders for {len(labels)} planned inputs"
-        )
-    for node, (label, fqn) in zip(placeholders, labels):
-        node._rename(label)
-        annotate(node, fqn=fqn, phase=Phase.INPUT)
-
-    # epilogue copies (and anything else made outside the dispatch mode) inherit a phase
-    for node in graph.nodes:
-        if node.op == "output":
-            annotate(node, fqn=None, phase=Phase.OUTPUT)
-        elif not annotated(node):
-            src = node.args[1] if ops.is_copy_(node) and len(node.args) > 1 else None
-            dst = node.args[0] if ops.is_copy_(node) else None
-            phase = get_phase(src) if isinstance(src, fx.Node) else None
-            fqn = dst.meta.get("spmd_fqn") if isinstance(dst, fx.Node) else None
-            annotate(node, fqn=fqn, phase=phase or Phase.OPTIMIZER)
-
-    graph._codegen = fx.graph.CodeGen()
-    graph.eliminate_dead_code(is_impure_node=ops.has_side_effect)
-    graph.lint()
-    return [n.name for n in placeholders]
