@@ -42,11 +42,11 @@ import torch.nn as nn
 
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
-from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, annotated
+from spmd_backend.graph.meta import Phase, annotate, annotated, owner_of
 from spmd_backend.graph.utils import dump_graphs_to_files, get_output
-from spmd_backend.parallel.data_parallel import DataParallel
+from spmd_backend.parallel.data_parallel import DataParallel, add_collective
 from spmd_backend.pass_manager import PassManager
-from spmd_backend.passes import comm_fusion_with_concat, schedule_comm_wait
+from spmd_backend.passes import default_pipeline
 
 log = logging.getLogger(__name__)
 c10d = torch.ops._c10d_functional
@@ -84,14 +84,13 @@ class BackendConfig:
                 f"{sorted(DEFAULT_OPTIONS)}"
             )
         merged = {**DEFAULT_OPTIONS, **options}
-        if merged["reduce_op"] not in ("avg", "sum"):
-            raise SpmdUsageError(f'backend="spmd": reduce_op must be "avg" or "sum", got {merged["reduce_op"]!r}')
+        DataParallel(reduce_op=merged["reduce_op"])  # validates the reduce op
         bucket = merged["bucket_size_mb"]
         if not isinstance(bucket, (int, float)) or bucket <= 0:
             raise SpmdUsageError(f'backend="spmd": bucket_size_mb must be a positive number, got {bucket!r}')
         passes = merged["passes"]
         if passes is None:
-            passes = [(comm_fusion_with_concat, {"bucket_size_mb": float(bucket)}), schedule_comm_wait]
+            passes = default_pipeline(float(bucket), with_optimizer=False)
         dump = merged["dump_graphs"]
         folder = tempfile.mkdtemp(prefix="spmd_dynamo_") if dump is True else (dump or None)
         return cls(
@@ -281,24 +280,15 @@ def insert_gradient_collectives(
         if not isinstance(base, PlainAOTInput) or base.idx not in inputs.params:
             continue
         fqn = inputs.param_fqns[base.idx]
-        with graph.inserting_after(value):
-            ar = graph.create_node(
-                "call_function", c10d.all_reduce.default, (value, reduce_op, group_name), name="all_reduce"
-            )
-        with graph.inserting_after(ar):
-            wait = graph.create_node("call_function", c10d.wait_tensor.default, (ar,), name="wait_tensor")
-        for n in (ar, wait):
-            n.meta["val"] = value.meta.get("val")
-            annotate(n, fqn=fqn.rpartition(".")[0], phase=Phase.COMM)
-        ar.meta[BUCKET_PARAMS_KEY] = [fqn]
+        wait = add_collective(
+            graph, value, c10d.all_reduce.default, (reduce_op, group_name),
+            name="all_reduce", owner=owner_of(fqn), params=[fqn],
+        )
         values[pos] = wait
         reduced.append(base.idx)
     out.args = (tuple(values),) + tuple(out.args[1:])
     graph.lint()
     return reduced
-
-
-_SCALAR_POW = (torch.ops.aten.pow.Scalar, torch.ops.aten._foreach_pow.ScalarAndTensor)
 
 
 def upcast_scalar_pows(gm: fx.GraphModule, example_inputs: list[Any]) -> int:
@@ -308,7 +298,7 @@ def upcast_scalar_pows(gm: fx.GraphModule, example_inputs: list[Any]) -> int:
     graph = gm.graph
     changed = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _SCALAR_POW:
+        if node.op != "call_function" or node.target not in ops.SCALAR_POW_TARGETS:
             continue
         exponent = node.args[1]
         elems = exponent if isinstance(exponent, (list, tuple)) else [exponent]

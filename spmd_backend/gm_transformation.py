@@ -21,11 +21,7 @@ import torch.fx as fx
 from spmd_backend.graph.utils import dump_graphs_to_files
 from spmd_backend.iter_graph_module import IterGraphModule
 from spmd_backend.pass_manager import PassManager, PassRecord
-from spmd_backend.passes import (
-    comm_fusion_with_concat,
-    remove_copy_from_optimizer,
-    schedule_comm_wait,
-)
+from spmd_backend.passes import default_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +57,7 @@ class GraphModuleTransformation:
         self.pass_records: list[PassRecord] = []
 
     def pipeline(self) -> list[object]:
-        return [
-            (comm_fusion_with_concat, {"bucket_size_mb": self.bucket_size_mb}),
-            schedule_comm_wait,
-            remove_copy_from_optimizer,
-            *self.extra_passes,
-        ]
+        return [*default_pipeline(self.bucket_size_mb), *self.extra_passes]
 
     def __call__(self, gm: fx.GraphModule) -> IterGraphModule:
         if self.dump_graphs:

@@ -349,10 +349,9 @@ class IterGraphModule(nn.Module):
     def recompile(self) -> None:
         """Regenerate code: a no-op before finalize (graphs are derived on use)."""
         if self._finalized is not None:
-            for kind, mod in self._modules_by_kind.items():
+            for mod in self._modules_by_kind.values():
                 if isinstance(mod, fx.GraphModule):
                     mod.recompile()
-                del kind
 
     def _lower(self, gm: fx.GraphModule, kind: str) -> Any:
         if not self.enable_inductor or kind == "flush":

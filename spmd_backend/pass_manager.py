@@ -115,8 +115,8 @@ def pass_spec_of(p: object) -> PassSpec:
         return spec
     if isinstance(p, str) and p in _REGISTRY:
         return _REGISTRY[p]
-    if callable(p):
-        return declare_pass(p)  # an undeclared function: no dependencies
+    if callable(p):  # an undeclared function: no dependencies, and not registered
+        return PassSpec(name=getattr(p, "__name__", repr(p)), fn=p)
     raise SpmdPassError(f"unknown pass {p!r}; declared passes: {sorted(_REGISTRY)}")
 
 

@@ -214,3 +214,13 @@ def test_manager_runs_on_an_iter_graph_module():
     igm.finalize_setup()
     x, y = torch.randn(3), torch.randn(3)
     torch.testing.assert_close(igm(x, y, last_iter=True), -((x + y).relu() * 2))
+
+
+def test_undeclared_functions_do_not_leak_into_the_registry():
+    from spmd_backend.pass_manager import _REGISTRY
+
+    def pm_private_pass(gm):
+        return None
+
+    PassManager([pm_private_pass]).run(_toy_gm())
+    assert "pm_private_pass" not in _REGISTRY

@@ -300,3 +300,23 @@ def test_mark_dynamic_on_one_argument(fake_pg):
     assert step.trace_count == 1
     with pytest.raises(SpmdUsageError, match="dim 2 out of range"):
         spmd_backend.mark_dynamic(torch.randn(3, 8), 2)
+
+
+def test_finite_check_composes_with_the_passes(fake_pg):
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 3, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    step = spmd_backend.compile(
+        gm_transformation=GraphModuleTransformation(enable_graph_optimization=True),
+        parallel_mode=DataParallel(check_finite_grads=True),
+    )(_step)
+    for _ in range(3):
+        step(model, opt, torch.randn(4, 8), last_train_step=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = torch.randn(4, 8)
+    bad[1, 2] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite gradient for"):
+        step(model, opt, bad)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -16,7 +16,7 @@ import torch.fx as fx
 from spmd_backend.errors import SpmdGraphError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase, get_phase
-from spmd_backend.graph.utils import node_inputs, tensor_nbytes
+from spmd_backend.graph.utils import node_inputs, node_order, tensor_nbytes
 
 aten = torch.ops.aten
 
@@ -108,7 +108,7 @@ def get_comm_block(comm_node: fx.Node) -> CommBlock:
         if external:
             outputs.append(n)
 
-    order = {n: i for i, n in enumerate(comm_node.graph.nodes)}
+    order = node_order(comm_node.graph)
     pre.sort(key=order.__getitem__)
     tail.sort(key=order.__getitem__)
     outputs.sort(key=order.__getitem__)

@@ -11,6 +11,9 @@ Every node of a traced step carries two annotations in ``node.meta``:
     ``optimizer``, ``comm`` (collectives and their waits), or ``input``/``output`` for
     placeholders and the output node.
 
+``node.meta["spmd_input"]``
+    On a placeholder of a traced step: what it is (``param``, ``buffer``, ``state``, ``hyper``,
+    ``grad``, ``arg``).
 ``node.meta["spmd_bucket_params"]``
     On a gradient collective: the FQNs of the parameters whose gradients it carries (one for
     the expansion's per-gradient all_reduce, several after bucketing).
@@ -29,6 +32,7 @@ import torch.fx as fx
 FQN_KEY = "spmd_fqn"
 PHASE_KEY = "spmd_phase"
 BUCKET_PARAMS_KEY = "spmd_bucket_params"
+INPUT_KIND_KEY = "spmd_input"
 
 
 class Phase(str, enum.Enum):
@@ -79,3 +83,13 @@ def annotated(node: fx.Node) -> bool:
 def bucket_params(node: fx.Node) -> list[str]:
     """Parameter FQNs whose gradients the collective ``node`` carries (may be empty)."""
     return list(node.meta.get(BUCKET_PARAMS_KEY, ()))
+
+
+def owner_of(name: str) -> str:
+    """The FQN of the module owning parameter/buffer ``name`` (``"a.b.weight"`` -> ``"a.b"``)."""
+    return name.rpartition(".")[0]
+
+
+def get_input_kind(node: fx.Node) -> str | None:
+    """What a placeholder of a traced step holds (``param``, ``state``, ``arg``...), or None."""
+    return node.meta.get(INPUT_KIND_KEY)

@@ -42,17 +42,23 @@ FUSED_OPTIMIZER_TARGETS: frozenset = frozenset(
     }
 )
 
-#: In-place fused optimizer kernels (what eager optimizers call).
-INPLACE_FUSED_OPTIMIZER_TARGETS: frozenset = frozenset(
-    {
-        aten._fused_adam_.default,
-        aten._fused_adam_.tensor_lr,
-        aten._fused_adamw_.default,
-        aten._fused_adamw_.tensor_lr,
-        aten._fused_sgd_.default,
-        aten._fused_sgd_.tensor_lr,
-    }
-)
+#: in-place fused optimizer op -> (its functional variant, number of leading tensor lists it
+#: mutates: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs for Adam(W); params, grads,
+#: momentum buffers for SGD)
+FUSED_INPLACE_TO_FUNCTIONAL: dict = {
+    aten._fused_adam_.default: (aten._fused_adam.default, 5),
+    aten._fused_adam_.tensor_lr: (aten._fused_adam.tensor_lr, 5),
+    aten._fused_adamw_.default: (aten._fused_adamw.default, 5),
+    aten._fused_adamw_.tensor_lr: (aten._fused_adamw.tensor_lr, 5),
+    aten._fused_sgd_.default: (aten._fused_sgd.default, 3),
+    aten._fused_sgd_.tensor_lr: (aten._fused_sgd.tensor_lr, 3),
+}
+
+#: functional fused optimizer op -> number of leading tensor lists its in-place variant mutates
+FUSED_MUTATED_LISTS: dict = {f: n for f, n in FUSED_INPLACE_TO_FUNCTIONAL.values()}
+
+#: ``scalar ** tensor`` ops: in an optimizer these are bias corrections ``beta ** step``
+SCALAR_POW_TARGETS: frozenset = frozenset({aten.pow.Scalar, aten._foreach_pow.ScalarAndTensor})
 
 PROFILER_TARGETS: frozenset = frozenset(
     {
@@ -121,10 +127,6 @@ def is_detach(node: fx.Node) -> bool:
 
 def is_placeholder(node: fx.Node) -> bool:
     return node.op == "placeholder"
-
-
-def is_output(node: fx.Node) -> bool:
-    return node.op == "output"
 
 
 def _marker(name: str) -> object | None:

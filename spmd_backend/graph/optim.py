@@ -13,7 +13,6 @@ upstream API promises. ``block.step.add_node`` is the step-count increment, if a
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -201,12 +200,3 @@ def get_all_fused_optimizer_blocks(gm: object, fused_op_name: str) -> list[Optim
     """
     graph = gm.graph  # type: ignore[attr-defined]
     return [b for b in get_optimizer_blocks(graph) if b.kind.startswith(fused_op_name)]
-
-
-def element_users(node: fx.Node) -> dict[int, list[fx.Node]]:
-    """For a functional foreach op: ``index -> getitem nodes`` reading that element."""
-    out: dict[int, list[fx.Node]] = {}
-    for u in node.users:
-        if u.op == "call_function" and u.target is operator.getitem:
-            out.setdefault(int(u.args[1]), []).append(u)
-    return out

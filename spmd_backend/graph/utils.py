@@ -18,7 +18,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from spmd_backend.errors import SpmdGraphError, SpmdUsageError
-from spmd_backend.graph.meta import FQN_KEY, PHASE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -231,13 +230,6 @@ def propagate_val(node: fx.Node, fake_mode: object | None = None) -> None:
     with mode:  # type: ignore[attr-defined]
         node.meta["val"] = node.target(*args, **kwargs)  # type: ignore[operator]
 
-
-def copy_meta(dst: fx.Node, src: fx.Node) -> fx.Node:
-    """Give ``dst`` the spmd annotation (and nothing else) of ``src``."""
-    for key in (FQN_KEY, PHASE_KEY):
-        if key in src.meta:
-            dst.meta[key] = src.meta[key]
-    return dst
 
 
 def tensor_nbytes(val: object) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from spmd_backend.errors import SpmdGraphError
 from spmd_backend.graph import ops
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def _rewire(graph: fx.Graph, node: fx.Node, results: Sequence[Sequence[fx.Node |
         k = int(user.args[1])
         for inner in list(user.users):
             if not ops.is_getitem(inner):
-                raise RuntimeError(f"unexpected use {inner.name} of {node.name}")
+                raise SpmdGraphError(f"decompose_fused_optimizers: unexpected use {inner.name} of {node.name}")
             i = int(inner.args[1])
             new = results[k][i] if results[k][i] is not None else lists[k][i]
             inner.replace_all_uses_with(new)

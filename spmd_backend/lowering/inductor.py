@@ -38,7 +38,9 @@ class InductorModule(nn.Module):
         self.compiled = compiled
         self.out_spec = out_spec
         self.compile_seconds = seconds
-        self.graph = source.graph  # the graph that was compiled, for inspection
+        # the step graph this module replaces (what Inductor compiled is a copy of it with
+        # flattened outputs and decomposed fused-optimizer kernels), for inspection
+        self.graph = source.graph
 
     def forward(self, *args: Any) -> Any:
         flat = self.compiled(*args)

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from spmd_backend.errors import SpmdDistributedError
 from spmd_backend.graph import ops
+from spmd_backend.graph.meta import bucket_params, get_input_kind
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,11 @@ DEFAULT_TIMEOUT_S = 300.0
 
 def graph_signature(graph: fx.Graph) -> list[str]:
     """The lines ranks must agree on: state inputs and the collective schedule."""
-    from spmd_backend.graph.meta import bucket_params
-
     lines = []
     for node in graph.nodes:
         val = node.meta.get("val")
         spec = f"{list(val.shape)}:{val.dtype}" if isinstance(val, torch.Tensor) else "?"
-        if node.op == "placeholder" and not node.name.startswith("a_"):
+        if node.op == "placeholder" and get_input_kind(node) not in ("arg", None):
             lines.append(f"input {node.name} {spec}")
         elif ops.is_collective(node):
             payload = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
@@ -70,8 +69,9 @@ def check_consistency(
     rank = dist.get_rank(group)
     store = _store()
     payload = json.dumps({"digest": digest, "lines": lines})
-    store.set(f"spmd/{key}/{rank}", payload)
-    keys = [f"spmd/{key}/{r}" for r in range(world)]
+    prefix = f"spmd/{group.group_name}/{key}"  # one namespace per process group
+    store.set(f"{prefix}/{rank}", payload)
+    keys = [f"{prefix}/{r}" for r in range(world)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError on timeout

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
 from spmd_backend.graph import ops
-from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate
+from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, owner_of
 
 log = logging.getLogger(__name__)
 
@@ -112,34 +112,54 @@ class ExpansionReport:
     reduce_op: str
 
 
-def _owner(fqn: str) -> str:
-    return fqn.rpartition(".")[0]
-
-
-def _insert_collective(
-    graph: fx.Graph, marker: fx.Node, target: object, args: tuple, name: str
+def add_collective(
+    graph: fx.Graph,
+    value: fx.Node,
+    target: object,
+    args: tuple,
+    *,
+    name: str,
+    owner: str | None,
+    params: list[str] | None = None,
+    before: fx.Node | None = None,
 ) -> fx.Node:
-    tensor = marker.args[0]
-    fqn = str(marker.args[1])
-    val = marker.meta.get("val")
-    with graph.inserting_before(marker):
-        comm = graph.create_node("call_function", target, (tensor,) + args, name=name)
+    """Insert ``wait_tensor(target(value, *args))`` (after ``value``, or before ``before``);
+    returns the wait. Both nodes get ``value``'s fake value and the ``comm`` phase; a gradient
+    all_reduce also records the parameters it carries (``spmd_bucket_params``)."""
+    where = graph.inserting_before(before) if before is not None else graph.inserting_after(value)
+    with where:
+        comm = graph.create_node("call_function", target, (value, *args), name=name)
+    with graph.inserting_after(comm):
         wait = graph.create_node("call_function", c10d.wait_tensor.default, (comm,), name="wait_tensor")
     for node in (comm, wait):
-        if val is not None:
-            node.meta["val"] = val
-        annotate(node, fqn=_owner(fqn), phase=Phase.COMM)
-    if target is c10d.all_reduce.default:
-        comm.meta[BUCKET_PARAMS_KEY] = [fqn]
+        if "val" in value.meta:
+            node.meta["val"] = value.meta["val"]
+        annotate(node, fqn=owner, phase=Phase.COMM)
+    if params is not None:
+        comm.meta[BUCKET_PARAMS_KEY] = list(params)
+    return wait
+
+
+def _expand_marker(graph: fx.Graph, marker: fx.Node, target: object, args: tuple, name: str) -> fx.Node:
+    fqn = str(marker.args[1])
+    wait = add_collective(
+        graph, marker.args[0], target, args, name=name, owner=owner_of(fqn),
+        params=[fqn] if target is c10d.all_reduce.default else None, before=marker,
+    )
     marker.replace_all_uses_with(wait)
     graph.erase_node(marker)
-    return comm
+    return wait
 
 
 def _insert_finite_check(graph: fx.Graph, wait: fx.Node) -> None:
+    """``assert all(isfinite(grad))`` just before the gradient's first use (the optimizer), so
+    a failing step updates nothing, and late enough not to pin the wait (or a bucket formed
+    later) early in the graph."""
     fqn = ",".join(wait.args[0].meta.get(BUCKET_PARAMS_KEY, ())) or wait.name
     aten = torch.ops.aten
-    with graph.inserting_after(wait):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_use = min(wait.users, key=order.__getitem__) if wait.users else wait.next
+    with graph.inserting_before(first_use):
         finite = graph.call_function(aten.isfinite.default, (wait,))
     with graph.inserting_after(finite):
         every = graph.call_function(aten.all.default, (finite,))
@@ -182,14 +202,14 @@ def expand_data_parallel(
             m.replace_all_uses_with(m.args[0])
             graph.erase_node(m)
             merged += 1
-        comm = _insert_collective(
+        wait = _expand_marker(
             graph, last, c10d.all_reduce.default, (mode.reduce_op, group_name), "all_reduce"
         )
         if mode.check_finite_grads:
-            _insert_finite_check(graph, next(iter(comm.users)))
+            _insert_finite_check(graph, wait)
         n_reduce += 1
     for m in buffer_markers:
-        _insert_collective(graph, m, c10d.broadcast.default, (0, group_name), "broadcast")
+        _expand_marker(graph, m, c10d.broadcast.default, (0, group_name), "broadcast")
     graph.lint()
     if recompile:
         gm.recompile()

@@ -11,11 +11,18 @@ from spmd_backend.passes.split_optimizer import (
     split_optimizer_block,
 )
 
-#: the default optimization pipeline of GraphModuleTransformation, in any order (the manager sorts)
-DEFAULT_PIPELINE = (comm_fusion_with_concat, schedule_comm_wait, remove_copy_from_optimizer)
+
+def default_pipeline(bucket_size_mb: float, *, with_optimizer: bool = True) -> list[object]:
+    """The default optimization passes (for a PassManager): bucketing, wait scheduling and,
+    for full-step graphs that hold the optimizer, re-inplacing it."""
+    passes: list[object] = [(comm_fusion_with_concat, {"bucket_size_mb": bucket_size_mb}), schedule_comm_wait]
+    if with_optimizer:
+        passes.append(remove_copy_from_optimizer)
+    return passes
+
 
 __all__ = [
-    "DEFAULT_PIPELINE",
+    "default_pipeline",
     "ModuleTarget",
     "comm_fusion_with_concat",
     "get_all_fused_optimizer_blocks",

@@ -2,8 +2,8 @@
 
 Requires: a graph whose gradient all_reduces are single-gradient blocks (data-parallel
 expansion output), with ``meta["val"]`` on the gradients. Guarantees: gradients are grouped
-greedily in readiness order (graph order) into buckets; the first bucket closes once it holds
->= 1 MiB, later ones once they hold >= ``bucket_size_mb`` MiB (bytes from each gradient's real
+greedily in readiness order (graph order) into buckets; per (group, op, dtype, device) the first
+bucket closes once it holds >= 1 MiB, later ones once they hold >= ``bucket_size_mb`` MiB (bytes from each gradient's real
 dtype and shape); a bucket never mixes process groups, reduce ops, dtypes or devices. Each
 bucket becomes flatten -> cat -> one all_reduce -> wait -> split -> a view per gradient, placed
 where its last gradient becomes ready, so the relative order of collectives is kept. New nodes
@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 
 from spmd_backend.graph.comm import CommBlock, get_all_comm_blocks
-from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, bucket_params
-from spmd_backend.graph.utils import fake_mode_of, propagate_val, tensor_nbytes
+from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, bucket_params, owner_of
+from spmd_backend.graph.utils import fake_mode_of, node_order, propagate_val, tensor_nbytes
 from spmd_backend.pass_manager import graph_optimization_pass
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float) -> list[Bucket]:
     open_buckets: dict[tuple, list[CommBlock]] = {}
     sizes: dict[tuple, int] = {}
     planned: list[tuple[int, Bucket]] = []
-    seen_first = False
+    closed: set[tuple] = set()  # keys whose first (1 MiB) bucket is closed, as in DDP
     for block in get_all_comm_blocks(graph):
         if block.pre_nodes or block.tail_nodes:
             continue  # already fused
@@ -73,16 +73,16 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float) -> list[Bucket]:
         members = open_buckets.setdefault(key, [])
         members.append(block)
         sizes[key] = sizes.get(key, 0) + tensor_nbytes(val)
-        limit = cap if seen_first else FIRST_BUCKET_BYTES
+        limit = cap if key in closed else FIRST_BUCKET_BYTES
         if sizes[key] >= limit:
-            seen_first = True
+            closed.add(key)
             planned.append((len(planned), Bucket(tuple(members), sizes[key], key[0], key[1], key[2])))
             open_buckets[key] = []
             sizes[key] = 0
     for key, members in open_buckets.items():
         if members:
             planned.append((len(planned), Bucket(tuple(members), sizes[key], key[0], key[1], key[2])))
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     return [b for _, b in sorted(planned, key=lambda ib: order[ib[1].blocks[-1].comm_node])]
 
 
@@ -101,7 +101,7 @@ def _common_prefix(fqns: list[str]) -> str | None:
 def _fuse(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node:
     blocks = bucket.blocks
     params = [p for b in blocks for p in bucket_params(b.comm_node)]
-    fqn = _common_prefix([p.rpartition(".")[0] for p in params])
+    fqn = _common_prefix([owner_of(p) for p in params])
     new_nodes: list[fx.Node] = []
 
     def emit(target: object, args: tuple) -> fx.Node:

@@ -28,7 +28,7 @@ import torch.fx as fx
 from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph import ops
 from spmd_backend.graph.comm import get_comm_block
-from spmd_backend.graph.meta import Phase, bucket_params, get_fqn, get_phase
+from spmd_backend.graph.meta import Phase, bucket_params, get_fqn, get_input_kind, get_phase
 from spmd_backend.graph.optim import get_optimizer_blocks, is_list_op
 from spmd_backend.graph.utils import (
     add_exclusive_inputs,
@@ -85,7 +85,7 @@ def resolve_dest(graph: fx.Graph, target: object) -> fx.Node:
         order = node_order(graph)
         params = [
             n for n in graph.nodes
-            if n.op == "placeholder" and n.name.startswith("p_") and target.owns(get_fqn(n) or "")
+            if n.op == "placeholder" and get_input_kind(n) == "param" and target.owns(get_fqn(n) or "")
         ]
         users = [u for p in params for u in p.users]
         if not users:

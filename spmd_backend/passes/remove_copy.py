@@ -36,9 +36,6 @@ from spmd_backend.pass_manager import graph_optimization_pass
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-#: fused functional op -> number of leading list arguments the in-place variant mutates
-_FUSED_MUTATED_LISTS = {"_fused_adam": 5, "_fused_adamw": 5, "_fused_sgd": 3}
-
 
 def inplace_variant(target: object) -> object | None:
     """``aten.foo_.ovl`` for ``aten.foo.ovl`` when it exists and mutates its first argument."""
@@ -61,9 +58,8 @@ def inplace_variant(target: object) -> object | None:
 
 def _mutations(node: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]] | None:
     """``(element the in-place op would mutate, nodes holding the functional result)`` pairs."""
-    packet = node.target._overloadpacket.__name__  # type: ignore[union-attr]
-    if packet in _FUSED_MUTATED_LISTS:
-        n_lists = _FUSED_MUTATED_LISTS[packet]
+    n_lists = ops.FUSED_MUTATED_LISTS.get(node.target)
+    if n_lists is not None:
         outs: dict[tuple[int, int], list[fx.Node]] = {}
         for u in node.users:
             if not ops.is_getitem(u):

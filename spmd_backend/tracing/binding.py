@@ -236,12 +236,6 @@ class StepBinding:
             out.append(text)
         return out
 
-    def state_keys(self, p: torch.Tensor) -> list[str]:
-        if self.optimizer is None:
-            return []
-        st = self.optimizer.state.get(p)
-        return sorted(st.keys(), key=str) if st else []
-
     def key(self) -> StepKey:
         opt = self.optimizer
         idx = self.param_index()

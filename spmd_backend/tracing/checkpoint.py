@@ -24,7 +24,7 @@ from typing import Any
 import torch.nn as nn
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
-from spmd_backend.errors import SpmdUsageError
+from spmd_backend.errors import SpmdTraceError, SpmdUsageError
 
 __all__ = ["CheckpointState", "checkpoint"]
 
@@ -83,7 +83,7 @@ class _Checkpoint:
                 next(generator)
             except StopIteration:
                 return
-            raise RuntimeError("checkpoint: the checkpoint generator did not finish after forward")
+            raise SpmdTraceError("checkpoint: the checkpoint generator did not finish after forward")
 
         module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
         module.register_forward_hook(post_hook, prepend=False, with_kwargs=True, always_call=True)

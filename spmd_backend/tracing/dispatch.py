@@ -16,7 +16,7 @@ are created inside the same dispatch).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -24,6 +24,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmd_backend.graph.meta import Phase, annotate
+from spmd_backend.graph.ops import SCALAR_POW_TARGETS
 from spmd_backend.tracing.fused_optim import INPLACE_TO_FUNCTIONAL, functional_fused_step
 
 
@@ -33,15 +34,13 @@ class TraceContext:
 
     ``in_optimizer`` is toggled by optimizer step hooks; ``fqn_provider`` returns the owning
     module FQN for the current op (``None`` when unknown) and ``phase_provider`` may refine the
-    phase (for example to ``recompute``); both are optional.
+    phase (for example to ``recompute``); both are optional. Optimizer ops get no FQN here: the
+    parameter they update is found after the trace (``annotate_optimizer_fqns``).
     """
 
     in_optimizer: bool = False
-    optimizer_fqn: str | None = None
     fqn_provider: Callable[[], str | None] | None = None
     phase_provider: Callable[[Phase], Phase] | None = None
-    op_count: int = 0
-    unannotated: list[fx.Node] = field(default_factory=list)
 
     def phase(self) -> Phase:
         if self.in_optimizer:
@@ -54,14 +53,10 @@ class TraceContext:
 
     def fqn(self) -> str | None:
         if self.in_optimizer:
-            return self.optimizer_fqn
+            return None
         return self.fqn_provider() if self.fqn_provider is not None else None
 
 
-aten = torch.ops.aten
-
-#: ``scalar ** tensor`` ops: in an optimizer these are bias corrections ``beta ** step``.
-_SCALAR_POW = frozenset({aten.pow.Scalar, aten._foreach_pow.ScalarAndTensor})
 
 
 def _upcast_steps(exponent: object) -> object:
@@ -96,13 +91,12 @@ class TraceMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        self.ctx.op_count += 1
         graph = self._graph
         last = graph._root.prev if graph is not None else None
         if func in INPLACE_TO_FUNCTIONAL:
             functional_fused_step(func, args, kwargs)
             out = None
-        elif self.ctx.in_optimizer and func in _SCALAR_POW:
+        elif self.ctx.in_optimizer and func in SCALAR_POW_TARGETS:
             out = func(args[0], _upcast_steps(args[1]), **kwargs)
         else:
             out = func(*args, **kwargs)

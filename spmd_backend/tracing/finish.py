@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from spmd_backend.errors import SpmdTraceError
 from spmd_backend.graph import ops
-from spmd_backend.graph.meta import Phase, annotate, annotated, get_phase
+from spmd_backend.graph.meta import INPUT_KIND_KEY, Phase, annotate, annotated, get_phase, owner_of
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.layout import StepLayout
 
@@ -57,29 +57,30 @@ def finish_graph(gm: fx.GraphModule, binding: StepBinding, layout: StepLayout) -
 
     # readable placeholder names and input annotations
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    labels: list[tuple[str, str | None]] = []
+    labels: list[tuple[str, str | None, str]] = []
     for names in binding.param_names:
-        labels.append((f"p_{_sanitize(names[0])}", names[0].rpartition(".")[0]))
+        labels.append((f"p_{_sanitize(names[0])}", owner_of(names[0]), "param"))
     for names in binding.buffer_names:
-        labels.append((f"b_{_sanitize(names[0])}", names[0].rpartition(".")[0]))
+        labels.append((f"b_{_sanitize(names[0])}", owner_of(names[0]), "buffer"))
     for i, k in layout.state_inputs:
         name = binding.param_names[i][0]
-        labels.append((f"s_{_sanitize(name)}_{_sanitize(str(k))}", name.rpartition(".")[0]))
+        labels.append((f"s_{_sanitize(name)}_{_sanitize(str(k))}", owner_of(name), "state"))
     for g, k in layout.hyper_inputs:
-        labels.append((f"h_{_sanitize(k)}_g{g}", None))
+        labels.append((f"h_{_sanitize(k)}_g{g}", None, "hyper"))
     for i in layout.grad_inputs:
         name = binding.param_names[i][0]
-        labels.append((f"g_{_sanitize(name)}", name.rpartition(".")[0]))
+        labels.append((f"g_{_sanitize(name)}", owner_of(name), "grad"))
     paths = binding.arg_paths()
     for j in layout.arg_inputs:
-        labels.append((f"a_{_sanitize(paths[j]).strip('_')}", None))
+        labels.append((f"a_{_sanitize(paths[j]).strip('_')}", None, "arg"))
     if len(labels) != len(placeholders):
         raise SpmdTraceError(
             f"internal: {len(placeholders)} placeholders for {len(labels)} planned inputs"
         )
-    for node, (label, fqn) in zip(placeholders, labels):
+    for node, (label, fqn, kind) in zip(placeholders, labels):
         node._rename(label)
         annotate(node, fqn=fqn, phase=Phase.INPUT)
+        node.meta[INPUT_KIND_KEY] = kind
 
     # epilogue copies (and anything else made outside the dispatch mode) inherit a phase
     for node in graph.nodes:

@@ -21,17 +21,12 @@ from collections.abc import Sequence
 
 import torch
 
+from spmd_backend.graph.ops import FUSED_INPLACE_TO_FUNCTIONAL
+
 aten = torch.ops.aten
 
 #: in-place op -> (functional op, number of leading tensor-list arguments it mutates)
-INPLACE_TO_FUNCTIONAL: dict = {
-    aten._fused_adam_.default: (aten._fused_adam.default, 5),
-    aten._fused_adam_.tensor_lr: (aten._fused_adam.tensor_lr, 5),
-    aten._fused_adamw_.default: (aten._fused_adamw.default, 5),
-    aten._fused_adamw_.tensor_lr: (aten._fused_adamw.tensor_lr, 5),
-    aten._fused_sgd_.default: (aten._fused_sgd.default, 3),
-    aten._fused_sgd_.tensor_lr: (aten._fused_sgd.tensor_lr, 3),
-}
+INPLACE_TO_FUNCTIONAL: dict = FUSED_INPLACE_TO_FUNCTIONAL
 
 
 def _empty_like_lists(lists: Sequence[Sequence[torch.Tensor]]) -> tuple:

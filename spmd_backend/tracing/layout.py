@@ -36,7 +36,6 @@ class StepLayout:
     state_touched: list[int] = field(default_factory=list)
     grad_outputs: list[int] = field(default_factory=list)
     creates_state: bool = False
-    n_grad_markers: int = 0
 
     @property
     def n_inputs(self) -> int:
@@ -49,16 +48,6 @@ class StepLayout:
             + len(self.arg_inputs)
         )
 
-    def input_kinds(self) -> list[str]:
-        """The kind of every placeholder, in order (``param``, ``buffer``, ``state``, ...)."""
-        return (
-            ["param"] * self.n_params
-            + ["buffer"] * self.n_buffers
-            + ["state"] * len(self.state_inputs)
-            + ["hyper"] * len(self.hyper_inputs)
-            + ["grad"] * len(self.grad_inputs)
-            + ["arg"] * len(self.arg_inputs)
-        )
 
 
 

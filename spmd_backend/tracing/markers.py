@@ -9,15 +9,13 @@
     broadcast from the group's first rank.
 
 Both are functional identities (they return a copy), so functionalization and fake tensors treat
-them like any other op. ``fqn`` is the parameter's (or buffer's) state-dict name.
+them like any other op. ``fqn`` is the parameter's (or buffer's) state-dict name. The
+data-parallel expansion (:mod:`spmd_backend.parallel.data_parallel`) replaces every marker.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
-
-from spmd_backend.graph import ops
 
 
 @torch.library.custom_op("spmd_backend::grad_ready", mutates_args=())
@@ -42,16 +40,3 @@ def _buffer_sync_fake(buf: torch.Tensor, fqn: str) -> torch.Tensor:
 
 GRAD_READY = torch.ops.spmd_backend.grad_ready.default
 BUFFER_SYNC = torch.ops.spmd_backend.buffer_sync.default
-
-
-def strip_markers(gm: fx.GraphModule) -> int:
-    """Replace every marker by its input (no collectives); returns how many were removed."""
-    removed = 0
-    for node in list(gm.graph.nodes):
-        if ops.is_grad_marker(node) or ops.is_buffer_marker(node):
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            removed += 1
-    if removed:
-        gm.recompile()
-    return removed

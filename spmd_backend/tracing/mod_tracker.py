@@ -31,6 +31,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_leaves
 
+from spmd_backend.errors import SpmdTraceError
+
 __all__ = ["ModTracker"]
 
 
@@ -151,7 +153,7 @@ class ModTracker:
                 else:
                     self._active[name] = count - 1
             elif not self.is_bw:
-                raise RuntimeError(f"ModTracker: {name} left without having entered")
+                raise SpmdTraceError(f"ModTracker: {name} left without having entered")
 
         return leave
 

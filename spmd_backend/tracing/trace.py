@@ -168,7 +168,6 @@ def trace_train_step(
 
                 def mark(param: torch.Tensor, _name: str = names[0]) -> None:
                     saw_backward[0] = True
-                    layout.n_grad_markers += 1
                     param.grad = GRAD_READY(param.grad, _name)
 
                 hooks.append(fp.register_post_accumulate_grad_hook(mark))
