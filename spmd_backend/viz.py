@@ -2,7 +2,8 @@
 
 * :func:`profile_step` runs one call under ``torch.profiler`` and returns a :class:`Timeline`:
   top-level op intervals of the calling thread (compute) and the in-flight interval of every
-  collective (from issue to the end of its wait);
+  collective (from issue to the end of its wait; issues and waits are paired in order, which
+  matches graphs whose waits keep the collectives' order, as the passes do);
 * :func:`timeline_png` draws one or more timelines (for example before and after the passes) as
   lanes of compute and in-flight collectives (matplotlib, ``pip install spmd_backend[viz]``);
 * :func:`graph_svg` draws a step graph: one row per module FQN, one column per node in graph
