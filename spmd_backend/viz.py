@@ -91,8 +91,11 @@ def timeline_png(timelines: Sequence[Timeline], path: str) -> str:
             ax.broken_barh([(s * 1e3, (e - s) * 1e3)], (0 + (i % 3) * 3, 2.5), facecolors="#f28e2b")
         ax.set_yticks([5, 14])
         ax.set_yticklabels(["collectives\nin flight", "compute\n(red: waiting)"])
-        ax.set_title(f"{tl.label}: {tl.total_s * 1e3:.1f} ms, waiting {tl.exposed_wait_s * 1e3:.1f} ms",
-                     fontsize=10, loc="left")
+        waiting = (
+            f"waiting {tl.exposed_wait_s * 1e3:.1f} ms" if tl.collectives
+            else "collectives not visible as graph ops (e.g. DDP's reducer): not drawn"
+        )
+        ax.set_title(f"{tl.label}: {tl.total_s * 1e3:.1f} ms, {waiting}", fontsize=10, loc="left")
         ax.set_xlim(0, max(t.total_s for t in timelines) * 1e3 * 1.02 or 1)
     axes[-1, 0].set_xlabel("ms since the step started")
     fig.tight_layout()
