@@ -82,7 +82,6 @@ class CompiledGraph:
     takes_last_iter: bool
     expansion: ExpansionReport
     compile_seconds: float
-    calls: int = 0
     hyper_cache: dict = field(default_factory=dict)
 
     @property
@@ -264,7 +263,6 @@ class CompiledTrainStep:
                     f"Cause: {text.splitlines()[0] if text else type(e).__name__}"
                 ) from e
             raise
-        entry.calls += 1
         self._last = entry
         return self._write_back(entry, binding, list(outs))
 

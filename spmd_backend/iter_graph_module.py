@@ -120,13 +120,14 @@ class IterGraph(fx.Graph):
                 "move_to_next_iter_before: the nodes are not a leaf subgraph; they are used by "
                 f"{outside[:5]}"
             )
-        self._check_state_hazards(nodes, target_node)
         order = node_order(self)
+        self._check_state_hazards(nodes, target_node, order)
         nodes.sort(key=order.__getitem__)
         self.moves.append(IterMove(nodes=nodes, target=target_node))
 
-    def _check_state_hazards(self, nodes: list[fx.Node], target: fx.Node) -> None:
-        order = node_order(self)
+    def _check_state_hazards(
+        self, nodes: list[fx.Node], target: fx.Node, order: dict[fx.Node, int]
+    ) -> None:
         members = set(nodes)
         # In the moved schedule the block's update lands at the target of the next iteration
         # instead of at its own position: an outside access sees the same state in both

@@ -31,6 +31,11 @@ class ReportRow:
     comm_bytes: int = 0
     flops: int = 0
 
+    def add(self, other: ReportRow) -> None:
+        self.ops += other.ops
+        self.comm_bytes += other.comm_bytes
+        self.flops += other.flops
+
 
 @dataclass
 class StepReport:
@@ -41,18 +46,13 @@ class StepReport:
     def by_phase(self) -> dict[str, ReportRow]:
         out: dict[str, ReportRow] = {}
         for r in self.rows:
-            agg = out.setdefault(r.phase, ReportRow(None, r.phase))
-            agg.ops += r.ops
-            agg.comm_bytes += r.comm_bytes
-            agg.flops += r.flops
+            out.setdefault(r.phase, ReportRow(None, r.phase)).add(r)
         return out
 
     def total(self) -> ReportRow:
         t = ReportRow(None, "total")
         for r in self.rows:
-            t.ops += r.ops
-            t.comm_bytes += r.comm_bytes
-            t.flops += r.flops
+            t.add(r)
         return t
 
     def __str__(self) -> str:

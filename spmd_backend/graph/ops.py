@@ -107,6 +107,20 @@ def is_foreach(node: fx.Node) -> bool:
     return node.target.namespace == "aten" and node.target.__name__.startswith("_foreach_")
 
 
+def op_name(node: fx.Node) -> str:
+    """The overload packet name of a call (``"_fused_adam_"``, ``"_foreach_add"``), else ""."""
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        return target._overloadpacket.__name__
+    return ""
+
+
+def is_list_op(node: fx.Node) -> bool:
+    """A foreach or fused optimizer op (functional or in-place)."""
+    name = op_name(node)
+    return name.startswith("_foreach_") or name.startswith("_fused_")
+
+
 def is_copy_(node: fx.Node) -> bool:
     return is_call_to(node, aten.copy_.default)
 

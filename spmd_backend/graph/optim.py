@@ -20,23 +20,10 @@ import torch.fx as fx
 
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase, get_phase
+from spmd_backend.graph.ops import is_list_op, op_name
 from spmd_backend.graph.utils import node_inputs, node_order
 
 aten = torch.ops.aten
-
-
-def op_name(node: fx.Node) -> str:
-    """The overload packet name of a call (``"_fused_adam_"``, ``"_foreach_add"``), else ""."""
-    target = node.target
-    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-        return target._overloadpacket.__name__
-    return ""
-
-
-def is_list_op(node: fx.Node) -> bool:
-    """A foreach or fused optimizer op (functional or in-place)."""
-    name = op_name(node)
-    return name.startswith("_foreach_") or name.startswith("_fused_")
 
 
 def list_args(node: fx.Node) -> list[tuple[int | str, list]]:

@@ -30,6 +30,7 @@ import torch.fx as fx
 from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, owner_of
+from spmd_backend.graph.utils import node_order
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ def _insert_finite_check(graph: fx.Graph, wait: fx.Node) -> None:
     later) early in the graph."""
     fqn = ",".join(wait.args[0].meta.get(BUCKET_PARAMS_KEY, ())) or wait.name
     aten = torch.ops.aten
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     first_use = min(wait.users, key=order.__getitem__) if wait.users else wait.next
     with graph.inserting_before(first_use):
         finite = graph.call_function(aten.isfinite.default, (wait,))

@@ -29,7 +29,8 @@ from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph import ops
 from spmd_backend.graph.comm import get_comm_block
 from spmd_backend.graph.meta import Phase, bucket_params, get_fqn, get_input_kind, get_phase
-from spmd_backend.graph.optim import get_optimizer_blocks, is_list_op
+from spmd_backend.graph.ops import is_list_op
+from spmd_backend.graph.optim import get_optimizer_blocks
 from spmd_backend.graph.utils import (
     add_exclusive_inputs,
     find_all_descendants,

@@ -4,7 +4,6 @@ Library code never imports this package; tests, tools and examples do.
 """
 
 from spmd_backend.testing.fake_pg import fake_process_group
-from spmd_backend.testing.multirank import DTensorTestBase, skip_if_lt_x_gpu, with_comms
 from spmd_backend.testing.parity import OptimSpec, ParityCase, ParityResult, check_ddp_parity
 from spmd_backend.testing.ranks import RankFailure, RankPool, RankTimeoutError, run_on_ranks
 
@@ -22,3 +21,16 @@ __all__ = [
     "RankTimeoutError",
     "run_on_ranks",
 ]
+
+
+_MULTIRANK = ("DTensorTestBase", "skip_if_lt_x_gpu", "with_comms")
+
+
+def __getattr__(name: str) -> object:
+    # The unittest base imports torch.testing._internal (and expecttest): only on demand, so
+    # `from spmd_backend.testing import run_on_ranks` works without the test extras.
+    if name in _MULTIRANK:
+        from spmd_backend.testing import multirank
+
+        return getattr(multirank, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
