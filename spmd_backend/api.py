@@ -18,6 +18,7 @@ result whose ``forward`` accepts it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -29,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
 from spmd_backend.graph import ops
@@ -42,8 +42,10 @@ from spmd_backend.parallel.data_parallel import (
     expand_data_parallel,
     sync_module_states,
 )
-from spmd_backend.tracing.binding import StepBinding, StepKey
-from spmd_backend.tracing.layout import StepLayout, gather_inputs
+from spmd_backend.tracing.binding import StepBinding
+from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
+from spmd_backend.tracing.key import StepKey, module_state
+from spmd_backend.tracing.layout import StepLayout
 from spmd_backend.tracing.overrides import Override
 from spmd_backend.tracing.trace import TracedStep, trace_train_step
 
@@ -88,6 +90,16 @@ class CompiledGraph:
     def layout(self) -> StepLayout:
         return self.traced.layout
 
+    def mismatch(self, binding: StepBinding) -> str | None:
+        """Why this graph may not run ``binding``'s call (its key already matched), or None."""
+        for guard in self.traced.guards:
+            if not guard.holds(binding):
+                return guard.describe(binding)
+        shape_guard = self.traced.shape_guard
+        if shape_guard is not None and not shape_guard.holds(binding):
+            return shape_guard.describe()
+        return None
+
 
 class CompiledTrainStep:
     """The callable ``spmd_backend.compile`` returns; see the module docstring."""
@@ -109,7 +121,7 @@ class CompiledTrainStep:
         self.gm_transformation = gm_transformation
         self.parallel_mode = parallel_mode
         self.module_override = list(module_override)
-        self._cache: dict[StepKey, CompiledGraph] = {}
+        self._cache: dict[StepKey, list[CompiledGraph]] = {}
         self._last: CompiledGraph | None = None
         self._synced_modules: set[int] = set()
         self.trace_count = 0
@@ -124,42 +136,59 @@ class CompiledTrainStep:
     @property
     def compiled(self) -> Callable[..., Any] | None:
         """The cached ``gm_transformation`` result of the most recent steady-state graph."""
-        for entry in reversed(list(self._cache.values())):
-            if not entry.bootstrap:
-                return entry.runner
-        return None
+        entries = [e for group in self._cache.values() for e in group]
+        return entries[-1].runner if entries else None
 
     def cache_size(self) -> int:
-        return len(self._cache)
+        return sum(len(group) for group in self._cache.values())
 
     # ----------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         last_train_step = bool(kwargs.pop("last_train_step", False))
-        binding = StepBinding.from_call(args, kwargs, batch_dim_dynamic=self.dynamic_batch)
+        binding = StepBinding.from_call(
+            args, kwargs, batch_dim_dynamic=self.dynamic_batch, fn=self.fn
+        )
         key = binding.key()
-        entry = self._cache.get(key)
+        entry, why = self._lookup(key, binding)
         if entry is None:
-            if len(self._cache) >= self.max_graphs:
+            if self.cache_size() >= self.max_graphs:
                 raise SpmdUsageError(
-                    f"spmd_backend.compile: {getattr(self.fn, '__qualname__', 'train_step')} would "
-                    f"need a new graph again ({len(self._cache)} cached, limit {self.max_graphs}); "
-                    f"this time because {self._last.key.explain(key, binding) if self._last else '?'}. "
-                    "Keep input shapes, dtypes and optimizer hyper-parameters stable (or raise "
-                    "max_graphs)"
+                    f"spmd_backend.compile: {self._name} would need a new graph again "
+                    f"({self.cache_size()} cached, limit {self.max_graphs}); this time because "
+                    f"{why}. Keep what the step depends on stable (input shapes and dtypes, "
+                    "module modes and attributes, optimizer settings, values the step reads), "
+                    "or raise max_graphs"
                 )
-            entry = self._compile(binding, key)
+            entry = self._compile(binding, key, why)
         return self._run(entry, binding, last_train_step)
 
-    def _compile(self, binding: StepBinding, key: StepKey) -> CompiledGraph:
+    @property
+    def _name(self) -> str:
+        return getattr(self.fn, "__qualname__", "train_step")
+
+    def _lookup(self, key: StepKey, binding: StepBinding) -> tuple[CompiledGraph | None, str]:
+        """The cached graph for this call, or None with the reason none fits."""
+        candidates = self._cache.get(key)
+        if candidates:
+            reasons = []
+            for entry in reversed(candidates):
+                why = entry.mismatch(binding)
+                if why is None:
+                    return entry, ""
+                reasons.append(why)
+            return None, reasons[0]
+        if self._last is None:
+            return None, "first call"
+        return None, self._last.key.explain(key, binding)
+
+    def _compile(self, binding: StepBinding, key: StepKey, why: str) -> CompiledGraph:
         if self._last is not None and not self._last.bootstrap:
-            log.warning(
-                "spmd_backend: retracing %s: %s",
-                getattr(self.fn, "__qualname__", "train_step"),
-                self._last.key.explain(key, binding),
-            )
+            log.warning("spmd_backend: retracing %s: %s", self._name, why)
         mode = self.parallel_mode
         pg = mode.process_group()  # fails early, on every rank, without a process group
         del pg
+        if binding.aux_objects and binding.params:
+            prepare_grad_scalers(binding.aux_objects, binding.params[0].device)
         t0 = time.perf_counter()
         traced = trace_train_step(
             self.fn,
@@ -169,6 +198,13 @@ class CompiledTrainStep:
             recompile=False,
         )
         self.trace_count += 1
+        after = dataclasses.replace(key, modules=module_state(binding.module))
+        if after != key:  # the step itself changed what the key holds: it will not replay that
+            log.warning(
+                "spmd_backend: tracing %s changed the module it runs (%s); the compiled graph "
+                "does not repeat Python side effects, so the next call retraces", self._name,
+                key.explain(after, binding),
+            )
         gm = traced.gm
         expansion = expand_data_parallel(gm, mode)
         emit_graph_artifact(f"spmd_step_{self._step_id}_trace_{self.trace_count}", gm.graph)
@@ -180,10 +216,7 @@ class CompiledTrainStep:
         bootstrap = traced.layout.creates_state
         runner: Callable[..., Any] = gm
         if not bootstrap:
-            lay = traced.layout
-            flat_state = gather_inputs(binding, lay)[
-                : lay.n_params + lay.n_buffers + len(lay.state_inputs)
-            ]
+            flat_state = traced.layout.gather(binding)[: traced.layout.n_state_inputs]
             for override in self.module_override:
                 result = override.transform(gm, flat_state)
                 if isinstance(result, fx.Graph):
@@ -208,7 +241,7 @@ class CompiledTrainStep:
             compile_seconds=time.perf_counter() - t0,
         )
         if not bootstrap:
-            self._cache[key] = entry
+            self._cache.setdefault(key, []).append(entry)
         log.info(
             "spmd_backend: traced %s in %.2fs (%d nodes, %d all_reduce, bootstrap=%s)",
             getattr(self.fn, "__qualname__", "train_step"),
@@ -239,7 +272,7 @@ class CompiledTrainStep:
 
     def _run(self, entry: CompiledGraph, binding: StepBinding, last_train_step: bool) -> Any:
         layout = entry.layout
-        flat = gather_inputs(binding, layout, entry.hyper_cache)
+        flat = layout.gather(binding, entry.hyper_cache)
         kwargs: dict[str, Any] = {}
         if last_train_step:
             if entry.takes_last_iter:
@@ -264,34 +297,7 @@ class CompiledTrainStep:
                 ) from e
             raise
         self._last = entry
-        return self._write_back(entry, binding, list(outs))
-
-    @staticmethod
-    def _write_back(entry: CompiledGraph, binding: StepBinding, outs: list[Any]) -> Any:
-        layout = entry.layout
-        params = binding.params
-        pos = layout.n_user_tensors
-        opt = binding.optimizer
-        if opt is not None:
-            for i in layout.state_touched:
-                opt.state[params[i]]  # defaultdict: the entry exists after a step, as in eager
-            for i, k in layout.state_outputs:
-                opt.state[params[i]][k] = outs[pos]
-                pos += 1
-            for i, k, v in layout.state_consts:
-                opt.state[params[i]][k] = v
-        grads: dict[int, torch.Tensor] = {}
-        for i in layout.grad_outputs:
-            grads[i] = outs[pos]
-            pos += 1
-        for i, p in enumerate(params):
-            g = grads.get(i)
-            if g is None:
-                p.grad = None
-            elif p.grad is not g:
-                p.grad = g
-        leaves = [outs[v] if kind == "tensor" else v for kind, v in layout.out_leaves]
-        return pytree.tree_unflatten(leaves, layout.out_spec)
+        return layout.commit(binding, list(outs))
 
 
 def compile(

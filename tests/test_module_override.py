@@ -100,8 +100,9 @@ def test_override_swaps_for_tracing_only_and_transforms(fake_pg):
 def test_without_override_the_data_dependent_module_fails_clearly(fake_pg):
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(spmd_backend.SpmdTraceError, match="tracing the train step failed"):
+    with pytest.raises(spmd_backend.SpmdTraceError, match="Python decision on a tensor's value") as info:
         spmd_backend.compile()(step)(model, opt, torch.randn(5, 4))
+    assert "test_module_override.py:24 `if x.sum() > -1e9" in str(info.value)  # the user's line
     assert isinstance(model.gate, Gate)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmd_backend.graph import ops
 from spmd_backend.testing import OptimSpec, ParityCase, check_ddp_parity
+from spmd_backend.testing.parity import without_gradient_collectives
 
 pytestmark = pytest.mark.multirank
 
@@ -44,19 +44,8 @@ def test_parity_avg(rank_pool, model):
     rank_pool.run(check_ddp_parity, ParityCase(model, OptimSpec("adam", "fused"), reduce_op="avg"))
 
 
-def strip_gradient_collectives(gm):
-    """Negative control: route every wait_tensor around its collective (no communication)."""
-    for node in list(gm.graph.nodes):
-        if ops.is_wait(node) and ops.is_all_reduce(node.args[0]):
-            node.replace_all_uses_with(node.args[0].args[0])
-    gm.graph.eliminate_dead_code(is_impure_node=lambda n: ops.is_copy_(n) or n.op in ("placeholder", "output"))
-    gm.recompile()
-    assert not any(ops.is_all_reduce(n) for n in gm.graph.nodes)
-    return gm
-
-
 def test_parity_fails_without_collectives(rank_pool):
-    case = ParityCase("mlp", OptimSpec("sgd", "foreach"), transformation=strip_gradient_collectives)
+    case = ParityCase("mlp", OptimSpec("sgd", "foreach"), transformation=without_gradient_collectives)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         rank_pool.run(check_ddp_parity, case)
 

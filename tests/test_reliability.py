@@ -253,7 +253,7 @@ def test_module_changed_after_first_call_retraces(fake_pg, caplog):
     opt.param_groups[0]["params"][2] = model.layers[1].weight
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
         step(model, opt, torch.randn(4, 8))
-    assert any("parameter 'layers.1.weight' changed" in r.getMessage() for r in caplog.records)
+    assert any("parameter 'layers.1.weight' was replaced" in r.getMessage() for r in caplog.records)
 
 
 # ----------------------------------------------------------------------------- random models

@@ -159,6 +159,13 @@ def is_grad_marker(node: fx.Node) -> bool:
     return target is not None and is_call_to(node, target)
 
 
+def is_grad_contribution_marker(node: fx.Node) -> bool:
+    """The tracer's ``spmd_backend.grad_contribution`` marker: one backward's contribution to a
+    gradient that already held a reduced value (accumulation across calls)."""
+    target = _marker("grad_contribution")
+    return target is not None and is_call_to(node, target)
+
+
 def is_buffer_marker(node: fx.Node) -> bool:
     """The tracer's ``spmd_backend.buffer_sync`` marker: a buffer read at the start of a step."""
     target = _marker("buffer_sync")

@@ -8,6 +8,10 @@ optionally, ``buffer_sync`` markers) and an initialized default process group. G
   whose gradient is accumulated over several backward calls is reduced once, at its last
   accumulation. Parameters without a gradient get no collective (DDP with
   ``find_unused_parameters`` leaves them untouched as well);
+* every ``grad_contribution(g, fqn)`` marker (a contribution added to a ``.grad`` that an
+  earlier call already reduced) becomes ``wait_tensor(all_reduce(g, op, group))`` of its own:
+  only new contributions are reduced, so accumulation across calls under ``sum`` never
+  multiplies earlier micro-batches by the world size again;
 * every ``buffer_sync(b, fqn)`` becomes ``wait_tensor(broadcast(b, 0, group))`` (DDP's
   ``broadcast_buffers``: all ranks use the group's first rank's buffers);
 * new nodes carry ``meta["val"]`` and the ``comm`` phase with the owning module's FQN.
@@ -188,34 +192,39 @@ def expand_data_parallel(
     graph = gm.graph
     group_name = mode.group_name()
     grad_markers: dict[str, list[fx.Node]] = {}
+    contributions: list[fx.Node] = []
     buffer_markers: list[fx.Node] = []
     for node in graph.nodes:
         if ops.is_grad_marker(node):
             grad_markers.setdefault(str(node.args[1]), []).append(node)
+        elif ops.is_grad_contribution_marker(node):
+            contributions.append(node)
         elif ops.is_buffer_marker(node):
             buffer_markers.append(node)
 
     merged = 0
-    n_reduce = 0
+    to_reduce: list[fx.Node] = []
     for markers in grad_markers.values():
         *earlier, last = markers
         for m in earlier:  # accumulated again later: reduce the total once
             m.replace_all_uses_with(m.args[0])
             graph.erase_node(m)
             merged += 1
+        to_reduce.append(last)
+    to_reduce.extend(contributions)
+    for marker in to_reduce:
         wait = _expand_marker(
-            graph, last, c10d.all_reduce.default, (mode.reduce_op, group_name), "all_reduce"
+            graph, marker, c10d.all_reduce.default, (mode.reduce_op, group_name), "all_reduce"
         )
         if mode.check_finite_grads:
             _insert_finite_check(graph, wait)
-        n_reduce += 1
     for m in buffer_markers:
         _expand_marker(graph, m, c10d.broadcast.default, (0, group_name), "broadcast")
     graph.lint()
     if recompile:
         gm.recompile()
     report = ExpansionReport(
-        all_reduces=n_reduce,
+        all_reduces=len(to_reduce),
         broadcasts=len(buffer_markers),
         merged_markers=merged,
         group_name=group_name,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -148,14 +149,25 @@ class FrozenNet(nn.Module):
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """How to build a registered model, make its batches and compute its loss."""
+    """How to build a registered model, make its batches and compute its loss.
+
+    ``loss_fn`` overrides the default loss (for models whose forward takes a dict batch and
+    returns their own loss). ``zero_gradient(name, param)`` returns the index of a parameter's
+    part whose gradient is mathematically zero (an attention key bias: softmax ignores a
+    per-row constant), or None; Adam turns the rounding noise there into +-lr steps, so parity
+    checks compare that part only for being bounded.
+    """
 
     build: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator], torch.Tensor]
+    batch: Callable[[torch.Generator], Any]
     find_unused_parameters: bool = False
     language_model: bool = False
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None
+    zero_gradient: Callable[[str, torch.Tensor], Any] | None = None
 
-    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return self.loss_fn(model, batch)
         out = model(batch)
         if self.language_model:  # next-token prediction on the batch itself
             return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), batch[:, 1:].reshape(-1))
@@ -180,3 +192,12 @@ MODELS: dict[str, ModelEntry] = {
     "frozen": ModelEntry(build=lambda: FrozenNet(16, 32, 4), batch=_dense_batch(16)),
     "dummy": ModelEntry(build=lambda: DummyModel(2, 32), batch=_dense_batch(32)),
 }
+
+
+def _register_third_party() -> None:
+    from spmd_backend.testing.third_party import THIRD_PARTY_MODELS
+
+    MODELS.update(THIRD_PARTY_MODELS)
+
+
+_register_third_party()

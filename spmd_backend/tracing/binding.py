@@ -3,14 +3,16 @@
 :class:`StepBinding` is built on every call from the live objects: it validates the call (one
 module, at most one optimizer, optimizer parameters belong to the module), lists the state that
 gets lifted to graph inputs (unique parameters, unique buffers, optimizer state, lifted
-hyper-parameters, existing gradients, tensor arguments), and computes the :class:`StepKey` that
-decides whether a cached graph may be reused. It never mutates anything.
+hyper-parameters, existing gradients, tensor arguments), and computes the
+:class:`~spmd_backend.tracing.key.StepKey` that decides, with the graph's guards, whether a
+cached graph may be reused. ``UserDict`` arguments (transformers' ``BatchEncoding``) are seen as
+mappings. It never mutates anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,24 +20,17 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd_backend.errors import SpmdUsageError
-
-#: Optimizer hyper-parameters that become graph inputs (float values are wrapped in a tensor).
-LIFTED_HYPERPARAMETERS: tuple[str, ...] = ("lr",)
-
-
-def _tensor_spec(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
-
-
-def _hashable(value: Any) -> Any:
-    if isinstance(value, (bool, int, float, str, type(None), torch.dtype, torch.device)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return tuple(_hashable(v) for v in value)
-    if isinstance(value, torch.Tensor):
-        return ("tensor",) + _tensor_spec(value)
-    return ("object", type(value).__qualname__, id(value))
-
+from spmd_backend.tracing.hyperparams import HyperSlot, lifted_slots
+from spmd_backend.tracing.key import (
+    StepKey,
+    global_context,
+    hashable,
+    module_state,
+    optimizer_state_hooks,
+    plain_attributes,
+    tensor_spec,
+)
+from spmd_backend.tracing.tracked import adapt_user_dicts, tree_key_path
 
 #: attribute ``mark_dynamic`` sets on a tensor: the dims traced symbolically
 DYNAMIC_DIMS_ATTR = "_spmd_dynamic_dims"
@@ -63,78 +58,6 @@ def dynamic_dims(t: torch.Tensor, batch_dim_dynamic: bool) -> set[int]:
     return dims
 
 
-def _leaf_key(leaf: Any, batch_dim_dynamic: bool = False) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        dyn = dynamic_dims(leaf, batch_dim_dynamic)
-        if dyn:
-            shape = tuple(
-                (("dyn", s if s < 2 else ">=2") if i in dyn else s) for i, s in enumerate(leaf.shape)
-            )
-            return ("tensor", shape, leaf.dtype, leaf.device, leaf.requires_grad)
-        return ("tensor",) + _tensor_spec(leaf)
-    if isinstance(leaf, nn.Module):
-        return ("module", id(leaf))
-    if isinstance(leaf, torch.optim.Optimizer):
-        return ("optimizer", id(leaf))
-    return ("const", _hashable(leaf))
-
-
-@dataclass(frozen=True)
-class StepKey:
-    """Everything a traced graph bakes in; a different key means a retrace."""
-
-    module: int
-    optimizer: int | None
-    params: tuple
-    grads: tuple
-    buffers: tuple
-    groups: tuple
-    state: tuple
-    args_spec: Any
-    args: tuple
-
-    def explain(self, other: StepKey, binding: StepBinding | None = None) -> str:
-        """A one-line reason why ``other`` (the new call) cannot reuse this key's graph."""
-        for f in fields(self):
-            old, new = getattr(self, f.name), getattr(other, f.name)
-            if old == new:
-                continue
-            if f.name == "args" and binding is not None and len(old) == len(new):
-                paths = binding.arg_paths()
-                for i, (a, b) in enumerate(zip(old, new)):
-                    if a != b:
-                        return f"argument {paths[i]} changed from {_fmt(a)} to {_fmt(b)}"
-            if f.name in ("params", "grads", "buffers", "state") and binding is not None:
-                names = (
-                    binding.buffer_names if f.name == "buffers" else binding.param_names
-                )
-                if len(old) == len(new):
-                    for i, (a, b) in enumerate(zip(old, new)):
-                        if a != b:
-                            what = {"params": "parameter", "grads": "gradient of",
-                                    "buffers": "buffer", "state": "optimizer state of"}[f.name]
-                            return f"{what} {names[i][0]!r} changed from {_fmt(a)} to {_fmt(b)}"
-                return f"the module's {f.name} changed (count {len(old)} -> {len(new)})"
-            labels = {
-                "module": "a different module was passed",
-                "optimizer": "a different optimizer was passed",
-                "groups": "optimizer param groups or hyper-parameters changed",
-                "args_spec": "the structure of the arguments changed",
-            }
-            return labels.get(f.name, f"{f.name} changed")
-        return "no difference"
-
-
-def _fmt(spec: Any) -> str:
-    if isinstance(spec, tuple) and spec and spec[0] == "tensor":
-        shape, dtype, device, rg = spec[1:]
-        dims = [d[1] if isinstance(d, tuple) else d for d in shape]
-        return f"tensor(shape={dims}, dtype={dtype}, device={device}, requires_grad={rg})"
-    if spec is None:
-        return "None"
-    return repr(spec)
-
-
 @dataclass
 class StepBinding:
     """The live objects of one train-step call, validated and indexed."""
@@ -149,11 +72,27 @@ class StepBinding:
     args_spec: Any
     args: tuple
     kwargs: dict
+    leaf_paths: list[tuple[Any, ...]]
+    #: non-tensor leaves inside argument dicts: keyed only if the trace reads them
+    tracked_leaves: frozenset[int]
+    hyper_slots: list[HyperSlot]
+    #: objects besides the module and optimizer whose tensors the step uses (GradScalers)
+    aux_objects: list[Any] = field(default_factory=list)
     batch_dim_dynamic: bool = False
+    #: argument dims traced with a fixed size although marked dynamic (the model specialised
+    #: them); set by the caller for graphs keyed on exact sizes
+    static_dims: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
-    def from_call(cls, args: tuple, kwargs: dict, batch_dim_dynamic: bool = False) -> StepBinding:
-        flat, spec = pytree.tree_flatten((args, kwargs))
+    def from_call(
+        cls, args: tuple, kwargs: dict, batch_dim_dynamic: bool = False,
+        fn: Any = None,
+    ) -> StepBinding:
+        args, kwargs = adapt_user_dicts((args, kwargs))
+        with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
+        flat = [leaf for _, leaf in with_paths]
+        paths = [tree_key_path(path) for path, _ in with_paths]
+        args, kwargs = pytree.tree_unflatten(flat, spec)
         modules: list[nn.Module] = []
         optims: list[torch.optim.Optimizer] = []
         for leaf in flat:
@@ -180,6 +119,8 @@ class StepBinding:
             )
         module = modules[0]
         optimizer = optims[0] if optims else None
+        if optimizer is not None:
+            check_optimizer_supported(optimizer)
 
         params, param_names = _unique_named(module.named_parameters(remove_duplicate=False))
         buffers, buffer_names = _unique_named(module.named_buffers(remove_duplicate=False))
@@ -205,6 +146,10 @@ class StepBinding:
                             f"module {type(module).__name__}; the optimizer must hold only the "
                             "module's parameters"
                         )
+        tracked = frozenset(
+            j for j, (leaf, path) in enumerate(zip(flat, paths))
+            if _is_trackable(leaf) and any(isinstance(e, tuple) and e[:1] == ("map",) for e in path)
+        )
         return cls(
             module=module,
             optimizer=optimizer,
@@ -216,6 +161,10 @@ class StepBinding:
             args_spec=spec,
             args=args,
             kwargs=kwargs,
+            leaf_paths=paths,
+            tracked_leaves=tracked,
+            hyper_slots=lifted_slots(optimizer),
+            aux_objects=find_grad_scalers(flat, fn),
             batch_dim_dynamic=batch_dim_dynamic,
         )
 
@@ -224,51 +173,135 @@ class StepBinding:
         return {id(p): i for i, p in enumerate(self.params)}
 
     def arg_paths(self) -> list[str]:
-        leaves, _ = pytree.tree_flatten_with_path((self.args, self.kwargs))
+        """Each flat argument leaf's path as the user wrote it (``args[2]['input_ids']``)."""
         out = []
-        for path, _leaf in leaves:
-            text = pytree.keystr(path)
-            # ((args), {kwargs}) -> "args[0]" / "kwargs['x']"
-            if text.startswith("[0]"):
-                text = "args" + text[3:]
-            elif text.startswith("[1]"):
-                text = "kwargs" + text[3:]
-            out.append(text)
+        for path in self.leaf_paths:
+            text = "".join(
+                f"[{e[1]!r}]" if isinstance(e, tuple) else f"[{e.idx}]" for e in path[1:]
+            )
+            out.append(("args" if path and path[0].idx == 0 else "kwargs") + text)
         return out
+
+    def aux_attributes(self, o: int) -> tuple[str, ...]:
+        """The tensor attributes of auxiliary object ``o`` that become graph inputs."""
+        obj = self.aux_objects[o]
+        return tuple(a for a in GRAD_SCALER_TENSORS if isinstance(getattr(obj, a, None), torch.Tensor))
+
+    def dims_traced_dynamic(self, j: int) -> set[int]:
+        """The dims of tensor argument leaf ``j`` traced symbolically (size >= 2, not pinned)."""
+        leaf = self.flat_args[j]
+        dims = dynamic_dims(leaf, self.batch_dim_dynamic)
+        return {d for d in dims if leaf.shape[d] >= 2 and (j, d) not in self.static_dims}
+
+    def leaf_key(self, j: int) -> Any:
+        leaf = self.flat_args[j]
+        if isinstance(leaf, torch.Tensor):
+            dyn = self.dims_traced_dynamic(j)
+            if dyn:
+                shape = tuple(("dyn", ">=2") if i in dyn else s for i, s in enumerate(leaf.shape))
+                return ("tensor", shape, leaf.dtype, leaf.device, leaf.requires_grad)
+            return ("tensor",) + tensor_spec(leaf)
+        if isinstance(leaf, nn.Module):
+            return ("module", id(leaf))
+        if isinstance(leaf, torch.optim.Optimizer):
+            return ("optimizer", id(leaf))
+        return ("const", hashable(leaf))
 
     def key(self) -> StepKey:
         opt = self.optimizer
-        idx = self.param_index()
         groups: tuple = ()
         state: tuple = ()
+        opt_hooks: tuple = ()
         if opt is not None:
+            idx = self.param_index()
+            lifted: dict[int, list[tuple[str, int | None]]] = {}
+            for g, k, i in self.hyper_slots:
+                lifted.setdefault(g, []).append((k, i))
             groups = tuple(
-                (
-                    tuple(idx[id(p)] for p in g["params"]),
-                    tuple(
-                        (k, "lifted" if k in LIFTED_HYPERPARAMETERS else _hashable(v))
-                        for k, v in sorted(g.items())
-                        if k != "params"
-                    ),
-                )
-                for g in opt.param_groups
+                (tuple(idx[id(p)] for p in g["params"]), tuple(sorted(g, key=str)),
+                 tuple(lifted.get(gi, ())))
+                for gi, g in enumerate(opt.param_groups)
             )
             state = tuple(
                 None
                 if p not in opt.state
-                else tuple((k, _hashable(v)) for k, v in sorted(opt.state[p].items(), key=_item_key))
+                else tuple((k, hashable(v)) for k, v in sorted(opt.state[p].items(), key=_item_key))
                 for p in self.params
             )
+            opt_hooks = optimizer_state_hooks(opt)
         return StepKey(
             module=id(self.module),
             optimizer=id(opt) if opt is not None else None,
-            params=tuple((id(p),) + _tensor_spec(p) for p in self.params),
-            grads=tuple(None if p.grad is None else _tensor_spec(p.grad) for p in self.params),
-            buffers=tuple((id(b),) + _tensor_spec(b) for b in self.buffers),
+            params=tuple((id(p),) + tensor_spec(p) + _tensor_hooks(p) for p in self.params),
+            grads=tuple(None if p.grad is None else tensor_spec(p.grad) for p in self.params),
+            buffers=tuple((id(b),) + tensor_spec(b) for b in self.buffers),
             groups=groups,
             state=state,
+            optimizer_hooks=opt_hooks,
             args_spec=self.args_spec,
-            args=tuple(_leaf_key(leaf, self.batch_dim_dynamic) for leaf in self.flat_args),
+            args=tuple(
+                ("tracked",) if j in self.tracked_leaves else self.leaf_key(j)
+                for j in range(len(self.flat_args))
+            ),
+            modules=module_state(self.module),
+            aux=tuple(
+                (id(o), plain_attributes(o),
+                 tuple(tensor_spec(getattr(o, a)) for a in self.aux_attributes(i)))
+                for i, o in enumerate(self.aux_objects)
+            ),
+            context=global_context(),
+        )
+
+
+#: a GradScaler's tensors (created lazily by its first ``scale()``)
+GRAD_SCALER_TENSORS = ("_scale", "_growth_tracker")
+
+
+def find_grad_scalers(flat_args: Sequence[Any], fn: Any) -> list[Any]:
+    """GradScalers the step receives as arguments or names as globals or closure variables."""
+    from torch.amp import GradScaler
+
+    found: list[Any] = []
+
+    def add(obj: Any) -> None:
+        if isinstance(obj, GradScaler) and not any(obj is f for f in found):
+            found.append(obj)
+
+    for leaf in flat_args:
+        add(leaf)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        glob = getattr(fn, "__globals__", {})
+        for name in code.co_names:
+            if name in glob:
+                add(glob[name])
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                add(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+    return found
+
+
+def _is_trackable(leaf: Any) -> bool:
+    return not isinstance(leaf, (torch.Tensor, nn.Module, torch.optim.Optimizer))
+
+
+def _tensor_hooks(p: torch.Tensor) -> tuple:
+    hooks = getattr(p, "_backward_hooks", None)
+    post = getattr(p, "_post_accumulate_grad_hooks", None)
+    return (tuple(hooks) if hooks else (), tuple(post) if post else ())
+
+
+def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers whose step cannot be one graph (closure-driven, data dependent)."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise SpmdUsageError(
+            "spmd_backend.compile: torch.optim.LBFGS cannot be compiled into a train step: its "
+            "step() calls a closure that re-runs forward and backward a data-dependent number "
+            "of times (line search, convergence tests on .item() values), which one static graph "
+            "cannot express. Use a first-order optimizer (SGD, Adam, AdamW, ...) or run LBFGS "
+            "eagerly"
         )
 
 

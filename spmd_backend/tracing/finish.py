@@ -2,7 +2,7 @@
 
 :func:`finish_graph` drops profiler record-function nodes and ``detach`` (the graph runs under
 ``no_grad``), elides functional ``aten.copy`` nodes that merely reproduce their source, gives
-placeholders readable names (``p_<fqn>``, ``b_``, ``s_``, ``h_``, ``g_``, ``a_``) and input
+placeholders readable names (``p_<fqn>``, ``b_``, ``s_``, ``h_``, ``g_``, ``x_``, ``a_``) and input
 annotations, annotates the write-back epilogue, switches to flat-argument code generation and
 removes dead code (keeping side effects). It returns the placeholder names.
 """
@@ -65,11 +65,14 @@ def finish_graph(gm: fx.GraphModule, binding: StepBinding, layout: StepLayout) -
     for i, k in layout.state_inputs:
         name = binding.param_names[i][0]
         labels.append((f"s_{_sanitize(name)}_{_sanitize(str(k))}", owner_of(name), "state"))
-    for g, k in layout.hyper_inputs:
-        labels.append((f"h_{_sanitize(k)}_g{g}", None, "hyper"))
+    for g, k, e in layout.hyper_inputs:
+        suffix = "" if e is None else f"_{e}"
+        labels.append((f"h_{_sanitize(k)}{suffix}_g{g}", None, "hyper"))
     for i in layout.grad_inputs:
         name = binding.param_names[i][0]
         labels.append((f"g_{_sanitize(name)}", owner_of(name), "grad"))
+    for o, attr in layout.aux_inputs:
+        labels.append((f"x_{type(binding.aux_objects[o]).__name__}{o}_{_sanitize(attr)}", None, "aux"))
     paths = binding.arg_paths()
     for j in layout.arg_inputs:
         labels.append((f"a_{_sanitize(paths[j]).strip('_')}", None, "arg"))

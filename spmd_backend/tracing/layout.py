@@ -1,21 +1,52 @@
-"""The input/output layout of a traced step, and gathering the live tensors for a call.
+"""The input/output layout of a traced step: both directions between flat graph values and the
+live objects of a call.
 
-A :class:`StepLayout` says how the flat graph inputs and outputs map to the live objects of a
-call (parameters, buffers, optimizer state, lifted hyper-parameters, existing gradients, tensor
-arguments). :func:`plan_inputs` builds the input half for a binding; :func:`gather_inputs`
-collects the real tensors of a later call in placeholder order (hyper-parameter tensors are
-cached by value, so an unchanged learning rate allocates nothing).
+Inputs, in placeholder order (:class:`InputGroups` names the groups)::
+
+    params | buffers | optimizer state | lifted hyper-parameters | existing .grad
+           | auxiliary state (a GradScaler's scale) | tensor arguments
+
+Outputs, in order::
+
+    user-returned tensors | optimizer state created or replaced by the step | final .grad values
+           | a GradScaler's found_inf (only when its step was traced as a select)
+
+:func:`plan_inputs` builds the input half for a binding; :meth:`StepLayout.gather` collects the
+live tensors of a later call (hyper-parameter tensors are cached by value, so an unchanged
+learning rate allocates nothing); the trace fills the output half; :meth:`StepLayout.commit`
+writes a run's outputs back (optimizer state entries, ``.grad``) and rebuilds the user's return
+value. Writes to inputs happen inside the graph (``copy_`` into placeholders).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
+import torch.utils._pytree as pytree
 
-from spmd_backend.tracing.binding import LIFTED_HYPERPARAMETERS, StepBinding
+from spmd_backend.tracing.binding import StepBinding
+from spmd_backend.tracing.hyperparams import HyperSlot, gather_hyperparameters
+
+T = TypeVar("T")
+
+#: (index of the auxiliary object in ``binding.aux_objects``, attribute name)
+AuxSlot = tuple[int, str]
+
+
+@dataclass
+class InputGroups(Generic[T]):
+    """Flat graph inputs split by what they are (same order as the placeholders)."""
+
+    params: Sequence[T]
+    buffers: Sequence[T]
+    state: Sequence[T]
+    hyper: Sequence[T]
+    grads: Sequence[T]
+    aux: Sequence[T]
+    args: Sequence[T]
 
 
 @dataclass
@@ -25,9 +56,11 @@ class StepLayout:
     n_params: int
     n_buffers: int
     state_inputs: list[tuple[int, str]]
-    hyper_inputs: list[tuple[int, str]]
+    hyper_inputs: list[HyperSlot]
     grad_inputs: list[int]
+    aux_inputs: list[AuxSlot]
     arg_inputs: list[int]
+    # ---- outputs, filled by the trace
     out_spec: Any = None
     out_leaves: list[tuple[str, Any]] = field(default_factory=list)
     n_user_tensors: int = 0
@@ -36,58 +69,93 @@ class StepLayout:
     state_touched: list[int] = field(default_factory=list)
     grad_outputs: list[int] = field(default_factory=list)
     creates_state: bool = False
+    #: output position of a GradScaler's found_inf, when the optimizer step is a select on it
+    skip_output: int | None = None
+
+    # ------------------------------------------------------------------ inputs
+    def _sizes(self) -> list[int]:
+        return [
+            self.n_params, self.n_buffers, len(self.state_inputs), len(self.hyper_inputs),
+            len(self.grad_inputs), len(self.aux_inputs), len(self.arg_inputs),
+        ]
 
     @property
     def n_inputs(self) -> int:
-        return (
-            self.n_params
-            + self.n_buffers
-            + len(self.state_inputs)
-            + len(self.hyper_inputs)
-            + len(self.grad_inputs)
-            + len(self.arg_inputs)
+        return sum(self._sizes())
+
+    @property
+    def n_state_inputs(self) -> int:
+        """Parameters, buffers and optimizer state: the inputs a transformation may rely on."""
+        return self.n_params + self.n_buffers + len(self.state_inputs)
+
+    def split(self, flat: Sequence[T]) -> InputGroups[T]:
+        """``flat`` (placeholder order) cut into its named groups."""
+        parts: list[Sequence[T]] = []
+        pos = 0
+        for size in self._sizes():
+            parts.append(flat[pos : pos + size])
+            pos += size
+        return InputGroups(*parts)
+
+    def gather(
+        self,
+        binding: StepBinding,
+        hyper_cache: dict[HyperSlot, tuple[Any, torch.Tensor]] | None = None,
+    ) -> list[torch.Tensor]:
+        """The live tensors, in placeholder order, for a call that matches this layout."""
+        opt = binding.optimizer
+        params = binding.params
+        flat: list[torch.Tensor] = list(params)
+        flat.extend(binding.buffers)
+        if self.state_inputs:
+            state = opt.state  # type: ignore[union-attr]
+            flat.extend(state[params[i]][k] for i, k in self.state_inputs)
+        flat.extend(gather_hyperparameters(opt, self.hyper_inputs, hyper_cache))
+        flat.extend(params[i].grad for i in self.grad_inputs)  # type: ignore[misc]
+        flat.extend(getattr(binding.aux_objects[o], a) for o, a in self.aux_inputs)
+        args = binding.flat_args
+        flat.extend(args[j] for j in self.arg_inputs)
+        return flat
+
+    # ------------------------------------------------------------------ outputs
+    def commit(self, binding: StepBinding, outs: Sequence[Any]) -> Any:
+        """Write a run's outputs back (optimizer state entries, ``.grad``) and return the
+        user's result rebuilt from ``outs``."""
+        params = binding.params
+        pos = self.n_user_tensors
+        opt = binding.optimizer
+        # eager GradScaler never runs a skipped step, so it never creates state in one
+        skipped = (
+            self.creates_state and self.skip_output is not None and bool(outs[self.skip_output])
         )
-
-
-
-
-def _hyper_tensor(value: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    return torch.tensor(float(value), dtype=torch.get_default_dtype(), device=device)
-
-
-def gather_hyperparameters(
-    optimizer: torch.optim.Optimizer | None, hyper_inputs: Sequence[tuple[int, str]],
-    cache: dict[tuple[int, str], tuple[Any, torch.Tensor]] | None = None,
-) -> list[torch.Tensor]:
-    """The current values of the lifted hyper-parameters, as tensors (cached by value)."""
-    out: list[torch.Tensor] = []
-    assert optimizer is not None or not hyper_inputs
-    for g, k in hyper_inputs:
-        group = optimizer.param_groups[g]  # type: ignore[union-attr]
-        value = group[k]
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-            continue
-        if cache is not None:
-            hit = cache.get((g, k))
-            if hit is not None and hit[0] == value:
-                out.append(hit[1])
-                continue
-        device = group["params"][0].device if group["params"] else torch.device("cpu")
-        t = _hyper_tensor(value, device)
-        if cache is not None:
-            cache[(g, k)] = (value, t)
-        out.append(t)
-    return out
+        if opt is not None and skipped:
+            pos += len(self.state_outputs)
+        elif opt is not None:
+            for i in self.state_touched:
+                opt.state[params[i]]  # defaultdict: the entry exists after a step, as in eager
+            for i, k in self.state_outputs:
+                opt.state[params[i]][k] = outs[pos]
+                pos += 1
+            for i, k, v in self.state_consts:
+                opt.state[params[i]][k] = v
+        grads: dict[int, torch.Tensor] = {}
+        for i in self.grad_outputs:
+            grads[i] = outs[pos]
+            pos += 1
+        for i, p in enumerate(params):
+            g = grads.get(i)
+            if g is None:
+                p.grad = None
+            elif p.grad is not g:
+                p.grad = g
+        leaves = [outs[v] if kind == "tensor" else v for kind, v in self.out_leaves]
+        return pytree.tree_unflatten(leaves, self.out_spec)
 
 
 def plan_inputs(binding: StepBinding) -> tuple[StepLayout, list[torch.Tensor]]:
     """The input half of the layout and the real tensors to feed, for ``binding``."""
     opt = binding.optimizer
     state_inputs: list[tuple[int, str]] = []
-    hyper_inputs: list[tuple[int, str]] = []
     if opt is not None:
         for i, p in enumerate(binding.params):
             st = opt.state.get(p)
@@ -96,43 +164,18 @@ def plan_inputs(binding: StepBinding) -> tuple[StepLayout, list[torch.Tensor]]:
             for k in sorted(st.keys(), key=str):
                 if isinstance(st[k], torch.Tensor):
                     state_inputs.append((i, k))
-        for g, group in enumerate(opt.param_groups):
-            if not group["params"]:
-                continue
-            for k in sorted(group.keys()):
-                if k in LIFTED_HYPERPARAMETERS or (
-                    k != "params" and isinstance(group[k], torch.Tensor)
-                ):
-                    hyper_inputs.append((g, k))
-    grad_inputs = [i for i, p in enumerate(binding.params) if p.grad is not None]
-    arg_inputs = [j for j, a in enumerate(binding.flat_args) if isinstance(a, torch.Tensor)]
+    aux_inputs = [
+        (o, name)
+        for o, obj in enumerate(binding.aux_objects)
+        for name in binding.aux_attributes(o)
+    ]
     layout = StepLayout(
         n_params=len(binding.params),
         n_buffers=len(binding.buffers),
         state_inputs=state_inputs,
-        hyper_inputs=hyper_inputs,
-        grad_inputs=grad_inputs,
-        arg_inputs=arg_inputs,
+        hyper_inputs=list(binding.hyper_slots),
+        grad_inputs=[i for i, p in enumerate(binding.params) if p.grad is not None],
+        aux_inputs=aux_inputs,
+        arg_inputs=[j for j, a in enumerate(binding.flat_args) if isinstance(a, torch.Tensor)],
     )
-    return layout, gather_inputs(binding, layout)
-
-
-def gather_inputs(
-    binding: StepBinding,
-    layout: StepLayout,
-    hyper_cache: dict[tuple[int, str], tuple[Any, torch.Tensor]] | None = None,
-) -> list[torch.Tensor]:
-    """The real tensors, in placeholder order, for one call that matches ``layout``."""
-    opt = binding.optimizer
-    params = binding.params
-    flat: list[torch.Tensor] = list(params)
-    flat.extend(binding.buffers)
-    if layout.state_inputs:
-        state = opt.state  # type: ignore[union-attr]
-        flat.extend(state[params[i]][k] for i, k in layout.state_inputs)
-    flat.extend(gather_hyperparameters(opt, layout.hyper_inputs, hyper_cache))
-    flat.extend(params[i].grad for i in layout.grad_inputs)  # type: ignore[misc]
-    args = binding.flat_args
-    flat.extend(args[j] for j in layout.arg_inputs)
-    return flat
-
+    return layout, layout.gather(binding)

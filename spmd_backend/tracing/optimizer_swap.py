@@ -3,8 +3,9 @@
 :func:`optimizer_swapped` replaces each param group's parameters, the optimizer state and the
 lifted hyper-parameters by the trace's functional tensors, turns on ``capturable`` (tensor math,
 no ``.item()`` on step counts), traces an unspecified implementation as fused where the kernel
-can run it, and reports ``torch.compiler.is_compiling()`` while ``step()`` runs. Everything is
-restored in a ``finally`` block.
+can run it, and marks the optimizer phase while ``step()`` runs. Each param group is replaced
+by a :class:`~spmd_backend.tracing.tracked.RecordingGroup`, so the keys the step reads become the
+graph's guards. Everything (the user's group dicts included) is restored in a ``finally`` block.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 from spmd_backend.tracing.dispatch import TraceContext
+from spmd_backend.tracing.hyperparams import HyperSlot, install
+from spmd_backend.tracing.tracked import ReadRecorder, RecordingGroup
 
 
 @contextlib.contextmanager
@@ -25,47 +28,46 @@ def optimizer_swapped(
     f_params: list[torch.Tensor],
     index: dict[int, int],
     f_state: dict[int, dict[str, Any]],
-    f_hyper: dict[tuple[int, str], torch.Tensor],
+    f_hyper: dict[HyperSlot, torch.Tensor],
     ctx: TraceContext,
+    recorder: ReadRecorder,
 ) -> Iterator[collections.defaultdict]:
     """Point the optimizer at the lifted tensors for the trace; always restore it."""
-    saved_groups = [dict(g) for g in opt.param_groups]
+    saved_groups = list(opt.param_groups)
     saved_state = opt.state
     new_state: collections.defaultdict = collections.defaultdict(dict)
     for i, entries in f_state.items():
         new_state[f_params[i]] = dict(entries)
-    saved_flag = torch.compiler._is_compiling_flag
 
     def pre_hook(*_: object) -> None:
         ctx.in_optimizer = True
-        torch.compiler._is_compiling_flag = True
 
     def post_hook(*_: object) -> None:
         ctx.in_optimizer = False
-        torch.compiler._is_compiling_flag = saved_flag
 
     handles = [opt.register_step_pre_hook(pre_hook), opt.register_step_post_hook(post_hook)]
     try:
-        for g, group in enumerate(opt.param_groups):
-            group["params"] = [f_params[index[id(p)]] for p in group["params"]]
-            for (hg, k), t in f_hyper.items():
-                if hg == g:
-                    group[k] = t
-            if "capturable" in group:
-                group["capturable"] = True
-            if _can_default_to_fused(group):
-                group["fused"] = True
+        for g, group in enumerate(saved_groups):
+            swapped = dict(group)
+            swapped["params"] = [f_params[index[id(p)]] for p in group["params"]]
+            for slot, t in f_hyper.items():
+                if slot[0] == g:
+                    install(swapped, slot, t)
+            if "capturable" in swapped:
+                swapped["capturable"] = True
+            if _can_default_to_fused(type(opt), group):
+                swapped["fused"] = True
+            opt.param_groups[g] = RecordingGroup(
+                swapped, lambda k, _g=g: recorder.read_group_key(_g, k)
+            )
         opt.state = new_state
         yield new_state
     finally:
         for h in handles:
             h.remove()
         ctx.in_optimizer = False
-        torch.compiler._is_compiling_flag = saved_flag
         opt.state = saved_state
-        for group, saved in zip(opt.param_groups, saved_groups):
-            group.clear()
-            group.update(saved)
+        opt.param_groups[:] = saved_groups
 
 
 def _fused_supported_devices() -> list[str]:
@@ -74,13 +76,20 @@ def _fused_supported_devices() -> list[str]:
     return _get_fused_kernels_supported_devices()
 
 
-def _can_default_to_fused(group: dict[str, Any]) -> bool:
+#: optimizer classes whose fused kernel traces (meta kernels: spmd_backend.tracing.fused_optim)
+FUSED_BY_DEFAULT: frozenset[str] = frozenset({"Adam", "AdamW", "SGD"})
+
+
+def _can_default_to_fused(cls: type, group: dict[str, Any]) -> bool:
     """True when a group left the implementation to torch and the fused kernel can run it.
 
     torch picks the single-tensor loop on CPU for eager speed; in a compiled graph one fused
     kernel is both faster and far cheaper to trace, so an unspecified implementation is traced
-    as fused where the kernel supports every parameter. Explicit choices are respected.
+    as fused where the kernel supports every parameter and traces (:data:`FUSED_BY_DEFAULT`).
+    Explicit choices are respected.
     """
+    if cls.__name__ not in FUSED_BY_DEFAULT or not cls.__module__.startswith("torch.optim"):
+        return False
     if "fused" not in group or group.get("fused") is not None or group.get("foreach") is not None:
         return False
     if group.get("differentiable"):

@@ -1,0 +1,113 @@
+"""Models nobody on this project wrote: transformers (random init, tiny configs) and torch's own
+``nn.TransformerEncoder``, with padded batches, for parity tests against DDP.
+
+Registered in :data:`spmd_backend.testing.models.MODELS` as ``hf_gpt2``, ``hf_bert``,
+``hf_t5`` and ``torch_encoder``. transformers is imported only when one of them is built.
+Dropout is off (compiled graphs and eager draw random numbers in different orders), every batch
+pads some rows (so the attention-mask code paths run) and depends on the generator (so a step
+without gradient collectives diverges from DDP).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from spmd_backend.testing.models import ModelEntry
+
+VOCAB = 96
+SEQ = 16
+BATCH = 4
+
+
+def _padded_tokens(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=gen)
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=gen)
+    lengths[0] = SEQ  # at least one full row
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    return ids * mask, mask
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def _gpt2_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids, mask = _padded_tokens(gen)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config)
+
+
+def _bert_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids, mask = _padded_tokens(gen)
+    return {"input_ids": ids, "attention_mask": mask,
+            "labels": torch.randint(0, 2, (BATCH,), generator=gen)}
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2,
+                      d_kv=16, vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
+                      pad_token_id=0)
+    return T5ForConditionalGeneration(config)
+
+
+def _t5_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids, mask = _padded_tokens(gen)
+    return {"input_ids": ids, "attention_mask": mask,
+            "labels": torch.randint(1, VOCAB, (BATCH, SEQ // 2), generator=gen)}
+
+
+def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=64, dropout=0.0,
+                                       batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def _encoder_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    _, mask = _padded_tokens(gen)
+    return {"src": torch.randn(BATCH, SEQ, 32, generator=gen), "src_key_padding_mask": mask == 0}
+
+
+def _encoder_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    out = model(**batch)
+    keep = (~batch["src_key_padding_mask"]).unsqueeze(-1)
+    return (out * keep).pow(2).mean()
+
+
+def _key_bias(name: str, param: torch.Tensor) -> Any:
+    """Attention key biases get a zero gradient (softmax ignores a per-query constant)."""
+    if name.endswith("attention.self.key.bias"):  # BERT
+        return slice(None)
+    if name.endswith("attn.c_attn.bias") or name.endswith("self_attn.in_proj_bias"):  # q|k|v
+        third = param.shape[0] // 3
+        return slice(third, 2 * third)
+    return None
+
+
+THIRD_PARTY_MODELS: dict[str, ModelEntry] = {
+    "hf_gpt2": ModelEntry(build=_gpt2, batch=_gpt2_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
+    "hf_bert": ModelEntry(build=_bert, batch=_bert_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
+    "hf_t5": ModelEntry(build=_t5, batch=_t5_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
+    "torch_encoder": ModelEntry(build=_encoder, batch=_encoder_batch, loss_fn=_encoder_loss,
+                                zero_gradient=_key_bias),
+}

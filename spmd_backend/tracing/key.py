@@ -1,0 +1,345 @@
+"""What a traced graph bakes in, and why a new call cannot reuse it.
+
+A compiled step is valid only for the facts its trace depended on. Those facts are split in two:
+
+* :class:`StepKey` (hashable, computed on every call by
+  :meth:`~spmd_backend.tracing.binding.StepBinding.key`) holds what is always relevant: the
+  identity of the module and optimizer, every tensor's shape/dtype/device/requires_grad, the
+  optimizer state's structure, the argument tree's structure, every module's mode and plain
+  attributes and hooks (``model.eval()``, ``model.gradient_checkpointing_enable()``, a new
+  forward hook), the optimizer's hooks and defaults, and the process-wide flags that change
+  what gets traced (grad mode, autocast, deterministic algorithms, default dtype, SDPA backends).
+* :class:`Guard` values are what the trace was seen to *read*: non-lifted optimizer
+  hyper-parameters (``eps``, ``amsgrad``, ...) and non-tensor entries of argument dicts. A value
+  the step never read (a dataset's ``idx``) is in neither, so changing it reuses the graph.
+
+:meth:`StepKey.explain` and :meth:`Guard.describe` say in one line what changed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+_PLAIN_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+                torch.layout, torch.memory_format)
+
+
+def tensor_spec(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+def is_plain(value: Any) -> bool:
+    """A Python value a trace can bake in and a key can compare by value."""
+    if isinstance(value, _PLAIN_TYPES) or isinstance(value, enum.Enum):
+        return True
+    if type(value) in (tuple, frozenset):
+        return all(is_plain(v) for v in value)
+    return False
+
+
+def hashable(value: Any) -> Any:
+    """``value`` in a hashable form that compares equal exactly when the trace would agree."""
+    if is_plain(value):
+        return value
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(hashable(v) for v in value))
+    if isinstance(value, torch.Tensor):
+        return ("tensor",) + tensor_spec(value)
+    if isinstance(value, dict):
+        return ("dict", tuple((hashable(k), hashable(v)) for k, v in value.items()))
+    return ("object", type(value).__qualname__, id(value))
+
+
+# ------------------------------------------------------------------ process-wide flags
+def _sdp_flags() -> tuple:
+    b = torch.backends.cuda
+    return (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
+            b.cudnn_sdp_enabled())
+
+
+_CONTEXT_PROBES: tuple[tuple[str, Any], ...] = (
+    ("torch.is_grad_enabled()", torch.is_grad_enabled),
+    ("torch.is_inference_mode_enabled()", torch.is_inference_mode_enabled),
+    ("autocast on cpu (enabled, dtype)",
+     lambda: (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))),
+    ("autocast on cuda (enabled, dtype)",
+     lambda: (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))),
+    ("torch.is_autocast_cache_enabled()", torch.is_autocast_cache_enabled),
+    ("torch.are_deterministic_algorithms_enabled() (enabled, warn_only)",
+     lambda: (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())),
+    ("torch.get_default_dtype()", torch.get_default_dtype),
+    ("the SDPA backends (flash, mem_efficient, math, cudnn)", _sdp_flags),
+)
+
+
+def global_context() -> tuple:
+    """The process-wide flags a trace depends on, in :data:`_CONTEXT_PROBES` order."""
+    return tuple(probe() for _, probe in _CONTEXT_PROBES)
+
+
+# ------------------------------------------------------------------ modules
+def _hook_ids(module: nn.Module) -> tuple:
+    return (
+        tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+        tuple(module._backward_pre_hooks), tuple(module._backward_hooks),
+    )
+
+
+def plain_attributes(obj: Any) -> tuple:
+    return tuple((k, v) for k, v in vars(obj).items() if is_plain(v))
+
+
+def _is_attribute_object(value: Any) -> bool:
+    """A non-module object hanging off a module whose plain attributes a forward may read (a
+    transformers config, a dataclass of options)."""
+    if isinstance(value, (nn.Module, torch.Tensor, dict, list, set, tuple)) or callable(value):
+        return False
+    return hasattr(value, "__dict__") and not isinstance(value, type)
+
+
+def module_state(root: nn.Module) -> tuple:
+    """Per module: (fqn, plain attributes including ``training``, hook ids); then the plain
+    attributes of the objects modules hold (a config), each once; then the global hooks."""
+    from torch.nn.modules import module as module_mod
+
+    rows = []
+    objects: dict[int, tuple[str, Any]] = {}
+    for name, mod in root.named_modules():
+        rows.append((name, plain_attributes(mod), _hook_ids(mod)))
+        for attr, value in vars(mod).items():
+            if not is_plain(value) and _is_attribute_object(value) and id(value) not in objects:
+                objects[id(value)] = (f"{name}.{attr}" if name else attr, value)
+    held = tuple((label, plain_attributes(obj)) for label, obj in objects.values())
+    global_hooks = tuple(
+        tuple(getattr(module_mod, n, ()))
+        for n in ("_global_forward_pre_hooks", "_global_forward_hooks",
+                  "_global_backward_pre_hooks", "_global_backward_hooks")
+    )
+    return (tuple(rows), held, global_hooks)
+
+
+def optimizer_state_hooks(opt: torch.optim.Optimizer) -> tuple:
+    from torch.optim import optimizer as optim_mod
+
+    return (
+        tuple(opt._optimizer_step_pre_hooks), tuple(opt._optimizer_step_post_hooks),
+        tuple(optim_mod._global_optimizer_pre_hooks), tuple(optim_mod._global_optimizer_post_hooks),
+        hashable(opt.defaults),
+    )
+
+
+# ------------------------------------------------------------------ key and guards
+@dataclass(frozen=True)
+class Guard:
+    """A value the trace read, with where it lives; the graph is reused only while it holds."""
+
+    kind: str  # "group" (optimizer param group entry) | "arg" (flat argument leaf)
+    where: tuple  # ("group": (group, key[, element])) | ("arg": (leaf index,))
+    label: str
+    value: Any
+
+    def current(self, binding: Any) -> Any:
+        if self.kind == "arg":
+            return binding.leaf_key(self.where[0])
+        group = binding.optimizer.param_groups[self.where[0]]
+        if self.where[1] not in group:
+            return ("missing",)
+        value = group[self.where[1]]
+        if len(self.where) == 3:
+            value = value[self.where[2]] if isinstance(value, (list, tuple)) else value
+        return hashable(value)
+
+    def holds(self, binding: Any) -> bool:
+        return self.current(binding) == self.value
+
+    def describe(self, binding: Any) -> str:
+        return (
+            f"{self.label} (read by the step) changed from {fmt(self.value)} to "
+            f"{fmt(self.current(binding))}"
+        )
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """Everything a traced graph bakes in apart from its guards; see the module docstring."""
+
+    module: int
+    optimizer: int | None
+    params: tuple
+    grads: tuple
+    buffers: tuple
+    groups: tuple
+    state: tuple
+    optimizer_hooks: tuple
+    args_spec: Any
+    args: tuple
+    modules: tuple
+    aux: tuple
+    context: tuple
+
+    def explain(self, other: StepKey, binding: Any = None) -> str:
+        """A one-line reason why ``other`` (the new call) cannot reuse this key's graph."""
+        for f in fields(self):
+            old, new = getattr(self, f.name), getattr(other, f.name)
+            if old == new:
+                continue
+            why = _EXPLAIN.get(f.name, lambda o, n, b: None)(old, new, binding)
+            if why:
+                return why
+            return _LABELS.get(f.name, f"{f.name} changed")
+        return "no difference"
+
+
+_LABELS = {
+    "module": "a different module was passed",
+    "optimizer": "a different optimizer was passed",
+    "groups": "the optimizer's param groups changed (parameters or keys)",
+    "optimizer_hooks": "the optimizer's hooks or defaults changed",
+    "args_spec": "the structure of the arguments changed",
+    "aux": "a GradScaler's settings or state changed",
+}
+
+
+def fmt(spec: Any) -> str:
+    if isinstance(spec, tuple) and len(spec) == 5 and spec[0] == "tensor":
+        shape, dtype, device, rg = spec[1:]
+        dims = [d[1] if isinstance(d, tuple) else d for d in shape]
+        return f"tensor(shape={dims}, dtype={dtype}, device={device}, requires_grad={rg})"
+    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "const":
+        return repr(spec[1])
+    return repr(spec)
+
+
+def _first_diff(old: Sequence[Any], new: Sequence[Any]) -> int | None:
+    for i, (a, b) in enumerate(zip(old, new)):
+        if a != b:
+            return i
+    return None
+
+
+def _explain_tensors(field: str) -> Any:
+    what = {"params": "parameter", "grads": "the gradient of", "buffers": "buffer",
+            "state": "the optimizer state of"}[field]
+
+    def explain(old: tuple, new: tuple, binding: Any) -> str | None:
+        if binding is None:
+            return None
+        names = binding.buffer_names if field == "buffers" else binding.param_names
+        if len(old) != len(new):
+            return f"the module's {field} changed (count {len(old)} -> {len(new)})"
+        i = _first_diff(old, new)
+        if i is None:
+            return None
+        a, b = old[i], new[i]
+        if field in ("params", "buffers"):  # (id, shape, dtype, device, requires_grad)
+            if a[0] != b[0]:
+                return f"{what} {names[i][0]!r} was replaced by another tensor"
+            a, b = ("tensor",) + a[1:], ("tensor",) + b[1:]
+        return f"{what} {names[i][0]!r} changed from {fmt(a)} to {fmt(b)}"
+
+    return explain
+
+
+def _explain_args(old: tuple, new: tuple, binding: Any) -> str | None:
+    if binding is None or len(old) != len(new):
+        return None
+    i = _first_diff(old, new)
+    if i is None:
+        return None
+    return f"argument {binding.arg_paths()[i]} changed from {fmt(old[i])} to {fmt(new[i])}"
+
+
+def _explain_modules(old: tuple, new: tuple, binding: Any) -> str | None:
+    (rows_a, held_a, hooks_a), (rows_b, held_b, hooks_b) = old, new
+    if len(rows_a) != len(rows_b):
+        return f"the module tree changed ({len(rows_a)} -> {len(rows_b)} submodules)"
+    mode = _explain_mode(rows_a, rows_b)
+    if mode:
+        return mode
+    for (name, attrs_a, h_a), (name_b, attrs_b, h_b) in zip(rows_a, rows_b):
+        label = name or "<root>"
+        if name != name_b:
+            return f"submodule {label!r} was replaced by {name_b!r}"
+        if attrs_a != attrs_b:
+            return _attr_change(label, dict(attrs_a), dict(attrs_b))
+        if h_a != h_b:
+            return f"the hooks of module {label!r} changed"
+    for (label, attrs_a), (_, attrs_b) in zip(held_a, held_b):
+        if attrs_a != attrs_b:
+            return _attr_change(label, dict(attrs_a), dict(attrs_b))
+    if len(held_a) != len(held_b):
+        return "the objects held by the modules changed"
+    if hooks_a != hooks_b:
+        return "the global module hooks changed"
+    return None
+
+
+def _explain_mode(rows_a: tuple, rows_b: tuple) -> str | None:
+    """``model.train()``/``model.eval()`` (every module switched) or the modules that did."""
+    modes = {True: "train", False: "eval"}
+    switched = []
+    for (name, attrs_a, _), (_, attrs_b, _) in zip(rows_a, rows_b):
+        a, b = dict(attrs_a).get("training"), dict(attrs_b).get("training")
+        if a != b:
+            switched.append((name or "<root>", a, b))
+    if not switched:
+        return None
+    if len(switched) == len(rows_a) and len({(a, b) for _, a, b in switched}) == 1:
+        _, a, b = switched[0]
+        return f"the model switched from {modes[a]} to {modes[b]} mode (model.{modes[b]}())"
+    names = ", ".join(repr(n) for n, _, _ in switched[:4]) + (" ..." if len(switched) > 4 else "")
+    _, a, b = switched[0]
+    what = "module" if len(switched) == 1 else f"{len(switched)} modules"
+    return f"{what} {names} switched from {modes.get(a)} to {modes.get(b)} mode"
+
+
+def _attr_change(label: str, a: dict, b: dict) -> str:
+    for k in sorted(set(a) | set(b), key=str):
+        if a.get(k, "<unset>") != b.get(k, "<unset>"):
+            return (
+                f"attribute {label}.{k} changed from {a.get(k, '<unset>')!r} to "
+                f"{b.get(k, '<unset>')!r}"
+            )
+    return f"the attributes of {label!r} changed"
+
+
+def _explain_context(old: tuple, new: tuple, binding: Any) -> str | None:
+    i = _first_diff(old, new)
+    if i is None:
+        return None
+    return f"{_CONTEXT_PROBES[i][0]} changed from {old[i]!r} to {new[i]!r}"
+
+
+def _explain_groups(old: tuple, new: tuple, binding: Any) -> str | None:
+    if len(old) != len(new):
+        return f"the optimizer's param groups changed (count {len(old)} -> {len(new)})"
+    for g, (a, b) in enumerate(zip(old, new)):
+        if a[0] != b[0]:
+            return f"the parameters of optimizer param_groups[{g}] changed"
+        if a[1] != b[1]:
+            return (
+                f"the keys of optimizer param_groups[{g}] changed "
+                f"({sorted(set(a[1]) ^ set(b[1]))})"
+            )
+        if a[2] != b[2]:
+            return f"the lifted hyper-parameters of optimizer param_groups[{g}] changed type"
+    return None
+
+
+_EXPLAIN = {
+    "params": _explain_tensors("params"),
+    "grads": _explain_tensors("grads"),
+    "buffers": _explain_tensors("buffers"),
+    "state": _explain_tensors("state"),
+    "args": _explain_args,
+    "modules": _explain_modules,
+    "context": _explain_context,
+    "groups": _explain_groups,
+}

@@ -1,0 +1,299 @@
+"""The function make_fx traces: one call of the user's step on the lifted state.
+
+:class:`StepFunction` is called by make_fx with the flat graph inputs (see
+:mod:`spmd_backend.tracing.layout`) and runs four named stages:
+
+1. :meth:`~StepFunction.wrap_state`: every input becomes a functional tensor; parameters get
+   their existing ``.grad`` and gradient markers, the optimizer state and lifted
+   hyper-parameters are laid out per parameter and slot.
+2. :meth:`~StepFunction.run_user_step`: the user's function runs with the module
+   reparametrized, the optimizer and GradScalers pointed at the lifted tensors, argument dicts
+   replaced by read-tracking copies, and buffers passed through ``buffer_sync`` markers.
+3. :meth:`~StepFunction.collect_outputs`: the user's return value, the optimizer state created
+   or replaced by the step, the final gradients and (with a GradScaler) whether the optimizer
+   step was skipped become the graph outputs (filling the output half of the layout).
+4. :meth:`~StepFunction.write_back_inputs`: every input the step mutated gets a ``copy_`` from
+   its final value, so running the graph on the live tensors updates them in place.
+
+Gradient markers (see :mod:`spmd_backend.tracing.markers`): a parameter without a ``.grad``
+gets ``grad_ready`` after each accumulation (the data-parallel layer reduces the last one, so
+several backward calls in one step communicate once); a parameter that already holds a ``.grad``
+(accumulation across calls) gets ``grad_contribution`` on each new contribution *before* it is
+accumulated, so only the new part is reduced and the earlier, already reduced, part is never
+reduced again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.nn.utils import stateless
+
+from spmd_backend.errors import SpmdTraceError, SpmdUsageError
+from spmd_backend.tracing.binding import StepBinding
+from spmd_backend.tracing.dispatch import TraceContext, TraceMode
+from spmd_backend.tracing.grad_scaler import SkipFlag, grad_scalers_swapped
+from spmd_backend.tracing.hyperparams import HyperSlot
+from spmd_backend.tracing.layout import InputGroups, StepLayout
+from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_CONTRIBUTION, GRAD_READY
+from spmd_backend.tracing.optimizer_swap import optimizer_swapped
+from spmd_backend.tracing.tracked import ReadRecorder, rebuild_tracked
+
+_CONST_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+
+
+def to_functional(t: torch.Tensor) -> torch.Tensor:
+    return FunctionalTensor.to_functional(t)
+
+
+def from_functional(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, FunctionalTensor):
+        return t
+    torch._sync(t)
+    return torch._from_functional_tensor(t.elem)
+
+
+@dataclass
+class LiftedState:
+    """The functional stand-ins of one call's inputs (stage 1's result)."""
+
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    state: list[torch.Tensor]
+    hyper: dict[HyperSlot, torch.Tensor]
+    grads: list[torch.Tensor]
+    aux: list[torch.Tensor]
+    args: list[torch.Tensor]
+    #: per parameter index: the optimizer state the step starts from (lifted tensors, others as is)
+    opt_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def groups(self) -> InputGroups[torch.Tensor]:
+        return InputGroups(self.params, self.buffers, self.state, list(self.hyper.values()),
+                           self.grads, self.aux, self.args)
+
+
+def _check_output_leaf(leaf: Any, path: str) -> None:
+    if isinstance(leaf, torch.Tensor) or isinstance(leaf, _CONST_TYPES):
+        return
+    hint = ""
+    if "past_key_values" in path or "Cache" in type(leaf).__name__:
+        hint = (
+            " (a transformers cache: pass use_cache=False to the model, or return only the "
+            "fields you need, e.g. out.loss)"
+        )
+    raise SpmdUsageError(
+        f"spmd_backend.compile: the train step returned a value of type "
+        f"{type(leaf).__qualname__} at {path}{hint}; a compiled step may return tensors, None, "
+        "Python numbers/strings, or (nested) tuples, lists, dicts and ModelOutputs of them"
+    )
+
+
+class StepFunction:
+    """Callable traced by make_fx; see the module docstring."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        binding: StepBinding,
+        layout: StepLayout,
+        ctx: TraceContext,
+        *,
+        mark_buffers: bool,
+        recorder: ReadRecorder,
+    ) -> None:
+        self.fn = fn
+        self.binding = binding
+        self.layout = layout
+        self.ctx = ctx
+        self.mark_buffers = mark_buffers
+        self.recorder = recorder
+        self.saw_backward = False
+        self.skip_flag = SkipFlag()
+        opt = binding.optimizer
+        self.opt_state_before = {
+            i: dict(opt.state[p]) for i, p in enumerate(binding.params)
+            if opt is not None and p in opt.state
+        }
+
+    def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
+        inputs = self.layout.split(flat)
+        with FunctionalTensorMode(_allow_token_discovery=True), TraceMode(self.ctx):
+            lifted = self.wrap_state(inputs)
+            out, traced_state = self.run_user_step(lifted)
+        results = self.collect_outputs(out, lifted, traced_state)
+        self.write_back_inputs(inputs, lifted.groups())
+        return results
+
+    # ------------------------------------------------------------------ stage 1
+    def wrap_state(self, inputs: InputGroups[torch.Tensor]) -> LiftedState:
+        binding, layout = self.binding, self.layout
+        params = [
+            to_functional(t).requires_grad_(p.requires_grad)
+            for t, p in zip(inputs.params, binding.params)
+        ]
+        lifted = LiftedState(
+            params=params,
+            buffers=[to_functional(t) for t in inputs.buffers],
+            state=[to_functional(t) for t in inputs.state],
+            hyper={},
+            grads=[to_functional(t) for t in inputs.grads],
+            aux=[to_functional(t) for t in inputs.aux],
+            args=[to_functional(t) for t in inputs.args],
+        )
+        for i, g in zip(layout.grad_inputs, lifted.grads):
+            params[i].grad = g
+        lifted.opt_state = {i: dict(v) for i, v in self.opt_state_before.items()}
+        for (i, k), t in zip(layout.state_inputs, lifted.state):
+            lifted.opt_state[i][k] = t
+        for slot, t in zip(layout.hyper_inputs, inputs.hyper):
+            ft = to_functional(t)
+            # A grad-requiring tensor makes every torch optimizer use tensor arithmetic for the
+            # hyper-parameter instead of `.item()`; the step runs under no_grad, so nothing is
+            # recorded for it.
+            ft.requires_grad_(True)
+            lifted.hyper[slot] = ft
+        return lifted
+
+    # ------------------------------------------------------------------ stage 2
+    def run_user_step(self, lifted: LiftedState) -> tuple[Any, Any]:
+        binding = self.binding
+        opt = binding.optimizer
+        mapping: dict[str, torch.Tensor] = {}
+        for names, fp in zip(binding.param_names, lifted.params):
+            mapping.update(dict.fromkeys(names, fp))
+        for names, fb in zip(binding.buffer_names, lifted.buffers):
+            mapping.update(dict.fromkeys(names, fb))
+        args, kwargs = self._arguments(lifted.args)
+        opt_cm = (
+            optimizer_swapped(opt, lifted.params, binding.param_index(), lifted.opt_state,
+                              lifted.hyper, self.ctx, self.recorder)
+            if opt is not None
+            else contextlib.nullcontext(None)
+        )
+        with self._gradient_markers(lifted), \
+                stateless._reparametrize_module(binding.module, mapping, tie_weights=True), \
+                grad_scalers_swapped(binding.aux_objects, self.layout.aux_inputs, lifted.aux,
+                                     self.ctx, self.skip_flag), \
+                opt_cm as traced_state:
+            if self.mark_buffers:
+                for names, fb in zip(binding.buffer_names, lifted.buffers):
+                    fb.copy_(BUFFER_SYNC(fb, names[0]))
+            out = self.fn(*args, **kwargs)
+        return out, traced_state
+
+    def _arguments(self, f_args: list[torch.Tensor]) -> tuple[tuple, dict]:
+        binding = self.binding
+        leaves = list(binding.flat_args)
+        for j, fa in zip(self.layout.arg_inputs, f_args):
+            leaves[j] = fa
+        args, kwargs = pytree.tree_unflatten(leaves, binding.args_spec)
+        if binding.tracked_leaves:
+            paths = {j: binding.leaf_paths[j] for j in range(len(leaves))}
+            args, kwargs = rebuild_tracked((args, kwargs), paths, self.recorder)
+        return args, kwargs
+
+    @contextlib.contextmanager
+    def _gradient_markers(self, lifted: LiftedState) -> Iterator[None]:
+        has_grad = set(self.layout.grad_inputs)
+        handles = []
+        for i, (names, fp) in enumerate(zip(self.binding.param_names, lifted.params)):
+            if not fp.requires_grad:
+                continue
+            if i in has_grad:
+                def contribution(grad: torch.Tensor, _name: str = names[0]) -> torch.Tensor:
+                    self.saw_backward = True
+                    return GRAD_CONTRIBUTION(grad, _name)
+
+                handles.append(fp.register_hook(contribution))
+            else:
+                def ready(param: torch.Tensor, _name: str = names[0]) -> None:
+                    self.saw_backward = True
+                    param.grad = GRAD_READY(param.grad, _name)
+
+                handles.append(fp.register_post_accumulate_grad_hook(ready))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    # ------------------------------------------------------------------ stage 3
+    def collect_outputs(self, out: Any, lifted: LiftedState, traced_state: Any) -> list[torch.Tensor]:
+        layout = self.layout
+        leaves_with_path, layout.out_spec = pytree.tree_flatten_with_path(out)
+        results: list[torch.Tensor] = []
+        for path, leaf in leaves_with_path:
+            _check_output_leaf(leaf, "output" + pytree.keystr(path))
+            if isinstance(leaf, torch.Tensor):
+                layout.out_leaves.append(("tensor", len(results)))
+                results.append(from_functional(leaf))
+            else:
+                layout.out_leaves.append(("const", leaf))
+        layout.n_user_tensors = len(results)
+        if self.binding.optimizer is not None:
+            results.extend(self._state_outputs(lifted, traced_state))
+        for i, fp in enumerate(lifted.params):
+            if fp.grad is not None:
+                layout.grad_outputs.append(i)
+                results.append(from_functional(fp.grad))
+        if self.skip_flag.value is not None:  # a GradScaler step: did it skip? (see commit)
+            layout.skip_output = len(results)
+            results.append(from_functional(self.skip_flag.value))
+        return results
+
+    def _state_outputs(self, lifted: LiftedState, traced_state: Any) -> list[torch.Tensor]:
+        layout = self.layout
+        f_index = {id(fp): i for i, fp in enumerate(lifted.params)}
+        inputs_by_slot = dict(zip(layout.state_inputs, lifted.state))
+        results: list[torch.Tensor] = []
+        for key_t, entries in traced_state.items():
+            i = f_index.get(id(key_t))
+            if i is None:
+                raise SpmdTraceError(
+                    "the optimizer created state for a tensor that is not one of the module's "
+                    "parameters"
+                )
+            before = self.opt_state_before.get(i)
+            if before is None or set(entries) - set(before):
+                layout.creates_state = True
+                layout.state_touched.append(i)
+            for k, v in entries.items():
+                if (i, k) in inputs_by_slot and v is inputs_by_slot[(i, k)]:
+                    continue  # updated in place: handled by the copy_ epilogue
+                if isinstance(v, torch.Tensor):
+                    layout.state_outputs.append((i, k))
+                    results.append(from_functional(v))
+                elif before is None or k not in before or before[k] is not v:
+                    layout.state_consts.append((i, k, v))
+        return results
+
+    # ------------------------------------------------------------------ stage 4
+    def write_back_inputs(
+        self, reals: InputGroups[torch.Tensor], funs: InputGroups[torch.Tensor]
+    ) -> None:
+        binding = self.binding
+        groups = [
+            (reals.params, funs.params, "parameter", binding.param_names),
+            (reals.buffers, funs.buffers, "buffer", binding.buffer_names),
+            (reals.state, funs.state, "optimizer state", None),
+            (reals.grads, funs.grads, "gradient", None),
+            (reals.aux, funs.aux, "GradScaler state", None),
+            (reals.args, funs.args, "argument", None),
+        ]
+        for real_list, fun_list, what, names in groups:
+            for j, (real, f) in enumerate(zip(real_list, fun_list)):
+                torch._sync(f)
+                if torch._functionalize_has_metadata_mutation(f.elem):
+                    label = names[j][0] if names else f"#{j}"
+                    raise SpmdTraceError(
+                        f"the train step changed the shape or strides of {what} {label} in "
+                        "place; only data mutations of inputs are supported"
+                    )
+                if torch._functionalize_has_data_mutation(f.elem):
+                    real.copy_(from_functional(f))

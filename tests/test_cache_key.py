@@ -1,0 +1,279 @@
+"""A cached graph is reused only for what it baked in (one process, fake process group).
+
+Each test changes one fact a user can change between calls (module mode, a module attribute,
+a hook, grad mode, autocast, a non-lifted hyper-parameter, a batch entry the step reads) and
+checks that the step retraces with one log line naming it and then matches eager; facts the
+step never reads (a dataset's ``idx``) must not retrace.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_backend
+from spmd_backend import SpmdTraceError, SpmdUsageError
+
+
+def step(model, optim, batch):
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+class DropNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.5)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 2)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.fc2(self.bn(self.drop(self.fc1(x)))) * self.scale
+
+
+def retrace_messages(caplog):
+    return [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
+
+
+def test_eval_after_train_retraces_and_matches_eager(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = DropNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(step)
+    x = torch.randn(8, 8)
+    model.train()
+    compiled(model, opt, x)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    model.eval()
+    twin.eval()
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        loss = compiled(model, opt, x)
+    expected = step(twin, twin_opt, x)
+    torch.testing.assert_close(loss, expected)  # no dropout, running statistics
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+    assert retrace_messages(caplog) == [
+        "spmd_backend: retracing step: the model switched from train to eval mode (model.eval())"
+    ]
+    model.train()
+    compiled(model, opt, x)  # back to the cached train graph
+    assert compiled.trace_count == 2
+
+
+def test_one_submodule_switching_mode_is_named(fake_pg, caplog):
+    model = DropNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(step)
+    compiled(model, opt, torch.randn(8, 8))
+    model.drop.eval()
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        compiled(model, opt, torch.randn(8, 8))
+    assert retrace_messages(caplog) == [
+        "spmd_backend: retracing step: module 'drop' switched from train to eval mode"
+    ]
+
+
+def test_module_attributes_and_hooks_are_part_of_the_key(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = DropNorm().eval()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(step)
+    x = torch.randn(8, 8)
+    compiled(model, opt, x)
+    step(twin, twin_opt, x)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        model.scale = twin.scale = 3.0  # a plain attribute read by forward
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+        for m in (model, twin):  # a forward hook that changes the output
+            m.fc1.register_forward_hook(lambda mod, args, out: out * 0.5)
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+    assert retrace_messages(caplog) == [
+        "spmd_backend: retracing step: attribute <root>.scale changed from 1.0 to 3.0",
+        "spmd_backend: retracing step: the hooks of module 'fc1' changed",
+    ]
+
+
+def test_grad_mode_and_autocast_are_part_of_the_key(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(step)
+    x = torch.randn(8, 8)
+    compiled(model, opt, x)
+    step(twin, twin_opt, x)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(model, opt, x)
+            expected = step(twin, twin_opt, x)
+    assert loss.dtype == expected.dtype
+    torch.testing.assert_close(loss, expected)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+    assert retrace_messages(caplog) == [
+        "spmd_backend: retracing step: autocast on cpu (enabled, dtype) changed from "
+        "(False, torch.bfloat16) to (True, torch.bfloat16)"
+    ]
+
+
+def test_non_lifted_hyperparameter_change_is_named(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01)
+    compiled = spmd_backend.compile()(step)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        compiled(model, opt, x)
+        step(twin, twin_opt, x)
+    for o in (opt, twin_opt):
+        o.param_groups[0]["maximize"] = True  # read by the step, never lifted
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        x = torch.randn(4, 8)
+        compiled(model, opt, x)
+        step(twin, twin_opt, x)
+    assert retrace_messages(caplog) == [
+        "spmd_backend: retracing step: param_groups[0]['maximize'] (read by the step) changed "
+        "from False to True"
+    ]
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_group_entries_the_step_never_reads_do_not_retrace(fake_pg):
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    compiled = spmd_backend.compile()(step)
+    for i in range(6):
+        opt.param_groups[0]["last_logged_loss"] = float(i)  # bookkeeping some trainers keep
+        compiled(model, opt, torch.randn(4, 8))
+    assert compiled.trace_count == 2  # bootstrap (momentum buffers) + one steady graph
+
+
+# ----------------------------------------------------------------------------- batches
+def dict_step(model, optim, batch):
+    loss = model(batch["x"]).pow(2).mean() * batch["weight"]
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_unread_batch_entries_do_not_retrace(fake_pg):
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = spmd_backend.compile()(dict_step)
+    for i in range(12):  # more calls than max_graphs
+        batch = {"x": torch.randn(4, 8), "weight": 1.0, "idx": i, "source": f"shard-{i % 5}"}
+        compiled(model, opt, batch)
+    assert compiled.trace_count == 1
+
+
+def test_read_batch_entries_retrace_and_are_named(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(dict_step)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for weight in (1.0, 1.0, 0.5):
+            batch = {"x": torch.randn(4, 8), "weight": weight, "idx": 7}
+            torch.testing.assert_close(compiled(model, opt, batch), dict_step(twin, twin_opt, batch))
+    assert compiled.trace_count == 2
+    assert retrace_messages(caplog) == [
+        "spmd_backend: retracing dict_step: argument args[2]['weight'] (read by the step) "
+        "changed from 1.0 to 0.5"
+    ]
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_iterating_a_batch_reads_every_entry(fake_pg):
+    def summing_step(model, optim, batch):
+        scale = sum(v for k, v in batch.items() if k != "x")
+        loss = model(batch["x"]).pow(2).mean() * scale
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = spmd_backend.compile()(summing_step)
+    compiled(model, opt, {"x": torch.randn(4, 8), "a": 1.0, "b": 2.0})
+    compiled(model, opt, {"x": torch.randn(4, 8), "a": 1.0, "b": 3.0})
+    assert compiled.trace_count == 2
+
+
+class Encoding(collections.UserDict):
+    """Like transformers' BatchEncoding: a UserDict that pytree does not know."""
+
+    def __init__(self, data, note):
+        super().__init__(data)
+        self.note = note
+
+
+def test_user_dict_batches_are_mappings(fake_pg):
+    def enc_step(model, optim, batch):
+        assert isinstance(batch, Encoding) and batch.note == "kept"
+        loss = model(batch["x"]).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = spmd_backend.compile()(enc_step)
+    for i in range(4):
+        compiled(model, opt, Encoding({"x": torch.randn(4, 8), "idx": i}, "kept"))
+    assert compiled.trace_count == 1
+    assert any(n.startswith("a_args_2___x") for n in compiled.graph.traced.placeholder_names)
+
+
+# ----------------------------------------------------------------------------- errors
+def test_item_in_the_step_names_the_users_line(fake_pg):
+    def item_step(model, optim, batch):
+        loss = model(batch).pow(2).mean()
+        if loss.item() > 100.0:  # the offending line
+            loss = loss * 0.1
+        loss.backward()
+        optim.step()
+        return loss
+
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(SpmdTraceError, match="Python decision on a tensor's value") as info:
+        spmd_backend.compile()(item_step)(model, opt, torch.randn(4, 8))
+    assert "test_cache_key.py" in str(info.value)
+    assert "`if loss.item() > 100.0:  # the offending line`" in str(info.value)
+
+
+def test_python_side_effects_in_forward_hit_the_limit_with_the_reason(fake_pg):
+    class Counting(nn.Linear):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1  # a Python side effect per forward
+            return super().forward(x)
+
+    model = Counting(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = spmd_backend.compile(max_graphs=3)(step)
+    with pytest.raises(SpmdUsageError, match=r"attribute <root>\.calls changed from 2 to 3"):
+        for _ in range(5):
+            compiled(model, opt, torch.randn(4, 8))

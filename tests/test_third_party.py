@@ -1,0 +1,33 @@
+"""Parity with DDP on models nobody here wrote: transformers GPT-2, BERT and T5 with padded
+attention masks (random init, tiny configs) and torch's ``nn.TransformerEncoder``, trained with
+``AdamW`` as users write it (torch's default implementation) and an LR schedule, 2 gloo ranks.
+
+Batches depend on the rank, so a compiled step without gradient collectives diverges from DDP
+(``test_third_party_parity_fails_without_collectives``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from spmd_backend.testing import OptimSpec, ParityCase, check_ddp_parity
+from spmd_backend.testing.parity import without_gradient_collectives
+
+pytestmark = pytest.mark.multirank
+
+pytest.importorskip("transformers")
+
+ADAMW = OptimSpec("adamw", "default", lr=1e-3, weight_decay=0.01, scheduler=True)
+
+
+@pytest.mark.parametrize("model", ["hf_gpt2", "hf_bert", "hf_t5", "torch_encoder"])
+def test_third_party_parity(rank_pool, model):
+    result = rank_pool.run(check_ddp_parity, ParityCase(model, ADAMW, steps=6, reduce_op="avg"))[0]
+    assert result.losses[0] != result.losses[-1], "the model did not train"
+
+
+def test_third_party_parity_fails_without_collectives(rank_pool):
+    case = ParityCase("hf_bert", ADAMW, steps=3, reduce_op="avg",
+                      transformation=without_gradient_collectives)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        rank_pool.run(check_ddp_parity, case)
