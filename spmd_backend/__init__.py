@@ -11,6 +11,7 @@ from spmd_backend.errors import (
     SpmdError,
     SpmdGraphError,
     SpmdPassError,
+    SpmdRuntimeError,
     SpmdTraceError,
     SpmdUsageError,
 )
@@ -39,5 +40,6 @@ __all__ = [
     "SpmdTraceError",
     "SpmdGraphError",
     "SpmdPassError",
+    "SpmdRuntimeError",
     "SpmdDistributedError",
 ]

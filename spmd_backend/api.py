@@ -28,10 +28,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
-from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
+from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import bucket_params
 from spmd_backend.graph.utils import emit_graph_artifact
@@ -42,6 +41,7 @@ from spmd_backend.parallel.data_parallel import (
     expand_data_parallel,
     sync_module_states,
 )
+from spmd_backend.runtime import RollbackPlan, rollback_plan, run_step
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
 from spmd_backend.tracing.key import StepKey, module_state
@@ -84,6 +84,7 @@ class CompiledGraph:
     takes_last_iter: bool
     expansion: ExpansionReport
     compile_seconds: float
+    rollback: RollbackPlan = RollbackPlan((), (), "")
     hyper_cache: dict = field(default_factory=dict)
 
     @property
@@ -231,6 +232,17 @@ class CompiledTrainStep:
                 "spmd_backend: the first step creates optimizer state; running it untransformed "
                 "(the transformation applies to the steady-state graph traced next call)"
             )
+        rollback = rollback_plan(runner, traced.gm.graph, traced.layout.n_inputs)
+        if rollback.positions:
+            flat = traced.layout.gather(binding)
+            mb = sum(flat[i].numel() * flat[i].element_size() for i in rollback.positions) / 2**20
+            log.log(
+                logging.WARNING if mb >= 1.0 else logging.INFO,
+                "spmd_backend: %s writes %d input(s) (%s, %.2f MB) %s; each call snapshots "
+                "them so that a failure can restore them", self._name, len(rollback.positions),
+                ", ".join(rollback.names[:4]) + (" ..." if len(rollback.names) > 4 else ""), mb,
+                rollback.reason,
+            )
         entry = CompiledGraph(
             key=key,
             traced=traced,
@@ -239,6 +251,7 @@ class CompiledTrainStep:
             takes_last_iter=_accepts_last_iter(runner),
             expansion=expansion,
             compile_seconds=time.perf_counter() - t0,
+            rollback=rollback,
         )
         if not bootstrap:
             self._cache.setdefault(key, []).append(entry)
@@ -283,19 +296,9 @@ class CompiledTrainStep:
                     "across iterations (its forward takes no `last_iter`); pass it only with a "
                     "gm_transformation that returns an IterGraphModule"
                 )
-        try:
-            with torch.no_grad():
-                outs = entry.runner(*flat, **kwargs)
-        except RuntimeError as e:
-            text = str(e)
-            markers = ("timed out", "timeout", "connection", "peer", "gloo", "nccl")
-            if any(m in text.lower() for m in markers):
-                raise SpmdDistributedError(
-                    "spmd_backend: a collective of the compiled step failed or timed out (another "
-                    f"rank failed or is stuck?); the graph's collectives: {self._collectives(entry)}. "
-                    f"Cause: {text.splitlines()[0] if text else type(e).__name__}"
-                ) from e
-            raise
+        outs = run_step(
+            entry.runner, flat, kwargs, entry.rollback, lambda: self._collectives(entry)
+        )
         self._last = entry
         return layout.commit(binding, list(outs))
 

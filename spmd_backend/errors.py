@@ -31,3 +31,8 @@ class SpmdPassError(SpmdError, RuntimeError):
 
 class SpmdDistributedError(SpmdError, RuntimeError):
     """The process group is missing or unsuitable, or ranks disagree."""
+
+
+class SpmdRuntimeError(SpmdError, RuntimeError):
+    """A compiled step failed while running; the message names the node, and the inputs the
+    step had written before failing were restored."""

@@ -311,6 +311,13 @@ class IterGraphModule(nn.Module):
         return {k: self._gm(k).graph for k in ("setup", "main", "cleanup")
                 if isinstance(self._gm(k), fx.GraphModule)}
 
+    def source_graphs(self) -> dict[str, fx.Graph]:
+        """The fx graphs each kind of call runs (before lowering): the one IterGraph before
+        finalize, setup/main/cleanup after."""
+        if self._finalized is None:
+            return {"main": self._graph}
+        return {k: getattr(self._finalized, k) for k in ("setup", "main", "cleanup")}
+
     def _gm_from(self, graph: fx.Graph) -> fx.GraphModule:
         graph._codegen = fx.graph.CodeGen()
         return make_graph_module(self._source, graph)
@@ -389,8 +396,10 @@ class IterGraphModule(nn.Module):
         if self._finalized is None:
             log.info("IterGraphModule used before finalize_setup(); finalizing now")
             self.finalize_setup()
-        self._iter += 1
-        if self.max_iters > 0 and self._iter >= self.max_iters:
+        # nothing of this module's own state changes until a graph returned: a failed call
+        # can be retried (it re-runs the pending work on the inputs the caller restored)
+        iteration = self._iter + 1
+        if self.max_iters > 0 and iteration >= self.max_iters:
             last_iter = True
         if self._carried is None:
             if last_iter:
@@ -398,14 +407,14 @@ class IterGraphModule(nn.Module):
                 self._end_cycle()
                 return out
             out, carried = self._gm("setup")(*args)
-            self._carried = list(carried)
+            self._carried, self._iter = list(carried), iteration
             return out
         if last_iter:
             out, _ = self._gm("cleanup")(*args, *self._carried)
             self._end_cycle()
             return out
         out, carried = self._gm("main")(*args, *self._carried)
-        self._carried = list(carried)
+        self._carried, self._iter = list(carried), iteration
         return out
 
     def _end_cycle(self) -> None:

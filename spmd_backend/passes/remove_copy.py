@@ -5,9 +5,12 @@ parameter/state placeholders by ``copy_`` nodes at the end). Guarantees: every o
 functional op (``_fused_adam``, ``_foreach_*``, single-tensor ``add``/``mul``/...) that has an
 in-place variant is replaced by it, mutating its first argument(s) directly, when that is safe:
 
-* each element it would mutate is read by nothing after it (except write-back copies), and
+* each element it would mutate is read by nothing after it (except write-back copies),
 * an element that is a graph input (placeholder) still has a write-back copy pending after it
-  (which will store the input's final value);
+  (which will store the input's final value), and
+* each functional result has exactly the shape, dtype and strides of the element that would
+  hold it (``div(step, denom)`` broadcasts a 0-dim step to the parameter's shape: writing it
+  into the step in place would fail, or worse, change the step's dtype);
 
 uses of its results are redirected to the mutated elements, and write-backs that became
 ``copy_(x, x)`` are removed. What ends up in the real parameters and optimizer state is
@@ -87,6 +90,20 @@ def _mutations(node: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]] | None:
     return None
 
 
+def _same_layout(elem: fx.Node, results: list[fx.Node]) -> bool:
+    """Every result has the mutated element's shape, dtype and strides (known fake values)."""
+    dst = elem.meta.get("val")
+    if not isinstance(dst, torch.Tensor):
+        return False
+    for r in results:
+        val = r.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return False
+        if val.shape != dst.shape or val.dtype != dst.dtype or val.stride() != dst.stride():
+            return False
+    return True
+
+
 def _safe(
     node: fx.Node,
     pairs: list[tuple[fx.Node, list[fx.Node]]],
@@ -103,8 +120,8 @@ def _safe(
     if any(not isinstance(e, fx.Node) for e in elems) or len(set(elems)) != len(elems):
         return False
     pos = order[node]
-    for elem, _ in pairs:
-        if elem.op == "get_attr":
+    for elem, results in pairs:
+        if elem.op == "get_attr" or not _same_layout(elem, results):
             return False
         pending_write_back = False
         for user in elem.users:

@@ -176,7 +176,8 @@ def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResu
     max_p = 0.0
     for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
         a, b = p.detach(), q.detach()
-        noise = entry.zero_gradient(name, p) if entry.zero_gradient is not None else None
+        zero_gradient = getattr(entry, "zero_gradient", None)
+        noise = zero_gradient(name, p) if zero_gradient is not None else None
         if noise is not None:  # a mathematically zero gradient: Adam steps on rounding noise
             bound = 2.0 * case.optim.lr * case.steps
             assert float((a[noise] - b[noise]).abs().max()) <= bound, f"{name}[{noise}]"

@@ -9,13 +9,15 @@ Inputs, in placeholder order (:class:`InputGroups` names the groups)::
 Outputs, in order::
 
     user-returned tensors | optimizer state created or replaced by the step | final .grad values
+           | new values of mutated buffers and arguments
            | a GradScaler's found_inf (only when its step was traced as a select)
 
 :func:`plan_inputs` builds the input half for a binding; :meth:`StepLayout.gather` collects the
 live tensors of a later call (hyper-parameter tensors are cached by value, so an unchanged
 learning rate allocates nothing); the trace fills the output half; :meth:`StepLayout.commit`
-writes a run's outputs back (optimizer state entries, ``.grad``) and rebuilds the user's return
-value. Writes to inputs happen inside the graph (``copy_`` into placeholders).
+writes a run's outputs back (optimizer state entries, ``.grad``, mutated buffers and arguments)
+and rebuilds the user's return value. Parameters, optimizer state and GradScaler state are
+written inside the graph (``copy_`` into placeholders, in the optimizer region).
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class StepLayout:
     state_touched: list[int] = field(default_factory=list)
     grad_outputs: list[int] = field(default_factory=list)
     creates_state: bool = False
+    #: ("buffers" | "args", index in that input group) of inputs the step mutated, in output order
+    mutated_outputs: list[tuple[str, int]] = field(default_factory=list)
     #: output position of a GradScaler's found_inf, when the optimizer step is a select on it
     skip_output: int | None = None
 
@@ -148,6 +152,11 @@ class StepLayout:
                 p.grad = None
             elif p.grad is not g:
                 p.grad = g
+        with torch.no_grad():
+            for kind, j in self.mutated_outputs:
+                live = binding.buffers[j] if kind == "buffers" else binding.flat_args[self.arg_inputs[j]]
+                live.copy_(outs[pos])
+                pos += 1
         leaves = [outs[v] if kind == "tensor" else v for kind, v in self.out_leaves]
         return pytree.tree_unflatten(leaves, self.out_spec)
 

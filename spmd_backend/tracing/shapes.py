@@ -12,6 +12,7 @@ ragged batch retraces instead of reusing (or worse, crashing in) the graph.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ class ShapeGuard:
     """The shape constraints of a graph traced with symbolic dims, checked on every reuse."""
 
     code: Any  # compiled expression over L["t0"], L["t1"], ... (the dynamic arguments)
-    source: str
+    source: str  # the same with the arguments' paths
     arg_leaves: tuple[int, ...]
 
     def holds(self, binding: StepBinding) -> bool:
@@ -38,7 +39,7 @@ class ShapeGuard:
         return bool(eval(self.code, SYMPY_INTERP, {"L": values}))
 
     def describe(self) -> str:
-        return f"the traced graph's shape guards ({self.source}) do not hold for these sizes"
+        return f"the cached graph's shape guards do not hold ({self.source})"
 
 
 @dataclass
@@ -49,44 +50,54 @@ class SymbolicInputs:
     fake_inputs: list[torch.Tensor]
     #: (flat argument leaf, fake input, symbolic dims)
     dynamic: list[tuple[int, torch.Tensor, set[int]]]
+    #: (flat argument leaf, dim) -> the symbol its size was traced as
+    symbols: dict[tuple[int, int], Any]
 
     def guard(self, binding: StepBinding) -> ShapeGuard | None:
         """The guards the trace left on the dynamic dims (None when there are none); logs the
         dims the model specialised to one size."""
         shape_env = self.fake_mode.shape_env
         paths = binding.arg_paths()
-        for j, fake, dims in self.dynamic:
-            for d in sorted(dims):
-                size = fake.shape[d]
-                fixed = size
-                if isinstance(size, torch.SymInt):
-                    expr = shape_env.replace(size.node.expr)
-                    fixed = int(expr) if expr.is_number else None
-                if fixed is not None:
-                    log.warning(
-                        "spmd_backend: dim %d of %s was marked dynamic, but the step "
-                        "specialised it to %d%s; this graph serves only that size (other sizes "
-                        "retrace)", d, paths[j], fixed, _where(shape_env, size),
-                    )
+        for (j, d), symbol in self.symbols.items():
+            expr = shape_env.replace(symbol)
+            if expr.is_number:
+                where = shape_env.spmd_fixed_at.get(symbol)
+                log.warning(
+                    "spmd_backend: dim %d of %s was marked dynamic, but the step specialised it "
+                    "to %d%s; this graph serves only that size (other sizes retrace)",
+                    d, paths[j], int(expr), f" at {where}" if where else "",
+                )
         fakes = [fake for _, fake, _ in self.dynamic]
-        source = shape_env.produce_guards_expression(fakes, ignore_static=True)
+        # ignore_static=False: a dim specialised to a constant must be guarded here
+        source = shape_env.produce_guards_expression(fakes, ignore_static=False)
         if not source:
             return None
+        leaves = tuple(j for j, _, _ in self.dynamic)
+        readable = source
+        for i, j in enumerate(leaves):
+            readable = readable.replace(f"L['t{i}']", paths[j])
         return ShapeGuard(
-            code=compile(source, "<spmd_backend shape guards>", "eval"),
-            source=source,
-            arg_leaves=tuple(j for j, _, _ in self.dynamic),
+            code=compile(source, "<spmd_backend shape guards>", "eval"), source=readable,
+            arg_leaves=leaves,
         )
 
 
-def _where(shape_env: Any, size: Any) -> str:
-    if not isinstance(size, torch.SymInt):
-        return ""
-    symbols = {str(s) for s in getattr(size.node.expr, "free_symbols", ())}
-    for g in shape_env.guards:
-        if symbols & {str(s) for s in g.expr.free_symbols}:
-            return f" (guard {g.expr} at {g.sloc})"
-    return ""
+def _recording_shape_env() -> Any:
+    """A ShapeEnv that remembers the user-level line where a symbol was fixed to a constant
+    (its own source locations point into torch under make_fx)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from spmd_backend.tracing.errors import user_frame
+
+    class RecordingShapeEnv(ShapeEnv):
+        def _set_replacement(self, a: Any, tgt: Any, msg: str) -> None:
+            if getattr(tgt, "is_number", False) and a not in self.spmd_fixed_at:
+                self.spmd_fixed_at[a] = user_frame(traceback.extract_stack())
+            super()._set_replacement(a, tgt, msg)
+
+    env = RecordingShapeEnv()
+    env.spmd_fixed_at = {}
+    return env
 
 
 def symbolic_inputs(
@@ -94,19 +105,16 @@ def symbolic_inputs(
 ) -> SymbolicInputs | None:
     """Fake inputs with symbolic dims where arguments are marked dynamic (None: none are)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import (
-        DimDynamic,
-        ShapeEnv,
-        StatelessSymbolicContext,
-    )
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
     arg_dims = [binding.dims_traced_dynamic(j) for j in layout.arg_inputs]
     if not any(arg_dims):
         return None
-    mode = FakeTensorMode(shape_env=ShapeEnv())
+    mode = FakeTensorMode(shape_env=_recording_shape_env())
     n_state = layout.n_inputs - len(layout.arg_inputs)
     fakes = [mode.from_tensor(t.detach(), static_shapes=True) for t in real_inputs[:n_state]]
     dynamic: list[tuple[int, torch.Tensor, set[int]]] = []
+    symbols: dict[tuple[int, int], Any] = {}
     for t, dims, j in zip(real_inputs[n_state:], arg_dims, layout.arg_inputs):
         if dims:
             context = StatelessSymbolicContext(
@@ -115,7 +123,8 @@ def symbolic_inputs(
             )
             fake = mode.from_tensor(t.detach(), symbolic_context=context)
             dynamic.append((j, fake, dims))
+            symbols.update({(j, d): fake.shape[d].node.expr for d in dims})
         else:
             fake = mode.from_tensor(t.detach(), static_shapes=True)
         fakes.append(fake)
-    return SymbolicInputs(fake_mode=mode, fake_inputs=fakes, dynamic=dynamic)
+    return SymbolicInputs(fake_mode=mode, fake_inputs=fakes, dynamic=dynamic, symbols=symbols)

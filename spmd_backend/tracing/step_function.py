@@ -12,8 +12,13 @@
 3. :meth:`~StepFunction.collect_outputs`: the user's return value, the optimizer state created
    or replaced by the step, the final gradients and (with a GradScaler) whether the optimizer
    step was skipped become the graph outputs (filling the output half of the layout).
-4. :meth:`~StepFunction.write_back_inputs`: every input the step mutated gets a ``copy_`` from
-   its final value, so running the graph on the live tensors updates them in place.
+4. :meth:`~StepFunction.write_back_inputs`: parameters, optimizer state and GradScaler state
+   the step mutated get a ``copy_`` from their final value at the end of the graph (the
+   optimizer region, which runs after every collective), so running the graph on the live
+   tensors updates them in place. Mutated buffers (BatchNorm statistics) and arguments are
+   graph outputs instead, copied into the live tensors only after the graph succeeded; final
+   gradients are outputs anyway (``.grad`` is rebound), so a failing step never leaves them
+   half-written.
 
 Gradient markers (see :mod:`spmd_backend.tracing.markers`): a parameter without a ``.grad``
 gets ``grad_ready`` after each accumulation (the data-parallel layer reduces the last one, so
@@ -26,6 +31,7 @@ reduced again.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +50,8 @@ from spmd_backend.tracing.layout import InputGroups, StepLayout
 from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_CONTRIBUTION, GRAD_READY
 from spmd_backend.tracing.optimizer_swap import optimizer_swapped
 from spmd_backend.tracing.tracked import ReadRecorder, rebuild_tracked
+
+log = logging.getLogger(__name__)
 
 _CONST_TYPES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 
@@ -78,18 +86,27 @@ class LiftedState:
                            self.grads, self.aux, self.args)
 
 
-def _check_output_leaf(leaf: Any, path: str) -> None:
+def _is_inference_cache(leaf: Any) -> bool:
+    """A transformers key/value cache (``DynamicCache``...): a by-product of the forward that
+    training never needs."""
+    return any(c.__name__ == "Cache" and "transformers" in c.__module__ for c in type(leaf).__mro__)
+
+
+def _output_leaf(leaf: Any, path: str) -> Any:
+    """``leaf`` as the compiled step returns it: tensors and constants as they are, an inference
+    cache dropped (None) with a warning, anything else refused with its path."""
     if isinstance(leaf, torch.Tensor) or isinstance(leaf, _CONST_TYPES):
-        return
-    hint = ""
-    if "past_key_values" in path or "Cache" in type(leaf).__name__:
-        hint = (
-            " (a transformers cache: pass use_cache=False to the model, or return only the "
-            "fields you need, e.g. out.loss)"
+        return leaf
+    if _is_inference_cache(leaf):
+        log.warning(
+            "spmd_backend: the train step returns a %s at %s; the compiled step returns None "
+            "there (an inference cache is not part of training; pass use_cache=False to the "
+            "model to skip computing it)", type(leaf).__name__, path,
         )
+        return None
     raise SpmdUsageError(
         f"spmd_backend.compile: the train step returned a value of type "
-        f"{type(leaf).__qualname__} at {path}{hint}; a compiled step may return tensors, None, "
+        f"{type(leaf).__qualname__} at {path}; a compiled step may return tensors, None, "
         "Python numbers/strings, or (nested) tuples, lists, dicts and ModelOutputs of them"
     )
 
@@ -127,7 +144,10 @@ class StepFunction:
             lifted = self.wrap_state(inputs)
             out, traced_state = self.run_user_step(lifted)
         results = self.collect_outputs(out, lifted, traced_state)
-        self.write_back_inputs(inputs, lifted.groups())
+        results.extend(self.write_back_inputs(inputs, lifted.groups()))
+        if self.skip_flag.value is not None:  # a GradScaler step: did it skip? (see commit)
+            self.layout.skip_output = len(results)
+            results.append(from_functional(self.skip_flag.value))
         return results
 
     # ------------------------------------------------------------------ stage 1
@@ -229,7 +249,7 @@ class StepFunction:
         leaves_with_path, layout.out_spec = pytree.tree_flatten_with_path(out)
         results: list[torch.Tensor] = []
         for path, leaf in leaves_with_path:
-            _check_output_leaf(leaf, "output" + pytree.keystr(path))
+            leaf = _output_leaf(leaf, "output" + pytree.keystr(path))
             if isinstance(leaf, torch.Tensor):
                 layout.out_leaves.append(("tensor", len(results)))
                 results.append(from_functional(leaf))
@@ -242,9 +262,6 @@ class StepFunction:
             if fp.grad is not None:
                 layout.grad_outputs.append(i)
                 results.append(from_functional(fp.grad))
-        if self.skip_flag.value is not None:  # a GradScaler step: did it skip? (see commit)
-            layout.skip_output = len(results)
-            results.append(from_functional(self.skip_flag.value))
         return results
 
     def _state_outputs(self, lifted: LiftedState, traced_state: Any) -> list[torch.Tensor]:
@@ -276,17 +293,20 @@ class StepFunction:
     # ------------------------------------------------------------------ stage 4
     def write_back_inputs(
         self, reals: InputGroups[torch.Tensor], funs: InputGroups[torch.Tensor]
-    ) -> None:
-        binding = self.binding
+    ) -> list[torch.Tensor]:
+        """``copy_`` into parameter/state/GradScaler inputs; returns the new values of mutated
+        buffers and arguments (outputs, committed after the graph succeeded)."""
+        binding, layout = self.binding, self.layout
         groups = [
-            (reals.params, funs.params, "parameter", binding.param_names),
-            (reals.buffers, funs.buffers, "buffer", binding.buffer_names),
-            (reals.state, funs.state, "optimizer state", None),
-            (reals.grads, funs.grads, "gradient", None),
-            (reals.aux, funs.aux, "GradScaler state", None),
-            (reals.args, funs.args, "argument", None),
+            ("params", reals.params, funs.params, "parameter", binding.param_names),
+            ("buffers", reals.buffers, funs.buffers, "buffer", binding.buffer_names),
+            ("state", reals.state, funs.state, "optimizer state", None),
+            ("grads", reals.grads, funs.grads, "gradient", None),
+            ("aux", reals.aux, funs.aux, "GradScaler state", None),
+            ("args", reals.args, funs.args, "argument", None),
         ]
-        for real_list, fun_list, what, names in groups:
+        outputs: list[torch.Tensor] = []
+        for kind, real_list, fun_list, what, names in groups:
             for j, (real, f) in enumerate(zip(real_list, fun_list)):
                 torch._sync(f)
                 if torch._functionalize_has_metadata_mutation(f.elem):
@@ -295,5 +315,11 @@ class StepFunction:
                         f"the train step changed the shape or strides of {what} {label} in "
                         "place; only data mutations of inputs are supported"
                     )
-                if torch._functionalize_has_data_mutation(f.elem):
+                if not torch._functionalize_has_data_mutation(f.elem) or kind == "grads":
+                    continue
+                if kind in ("buffers", "args"):
+                    layout.mutated_outputs.append((kind, j))
+                    outputs.append(from_functional(f))
+                else:
                     real.copy_(from_functional(f))
+        return outputs

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +34,12 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_backend.errors import SpmdError, SpmdTraceError, SpmdUsageError
+from spmd_backend.errors import SpmdTraceError, SpmdUsageError
 from spmd_backend.graph.utils import lazy_graph_modules
 from spmd_backend.tracing.annotate import ModuleAnnotator, annotate_optimizer_fqns
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.dispatch import TraceContext
+from spmd_backend.tracing.errors import trace_error
 from spmd_backend.tracing.finish import finish_graph
 from spmd_backend.tracing.hyperparams import slot_label
 from spmd_backend.tracing.key import Guard, hashable
@@ -119,7 +118,7 @@ def trace_train_step(
     except (SpmdUsageError, SpmdTraceError):
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with context
-        raise _trace_error(e, fn) from e
+        raise trace_error(e, fn) from e
 
     if binding.optimizer is not None and not step.saw_backward:
         raise SpmdUsageError(
@@ -169,61 +168,3 @@ def _guards(binding: StepBinding, recorder: ReadRecorder) -> list[Guard]:
     for j in sorted(recorder.leaves & binding.tracked_leaves):
         guards.append(Guard("arg", (j,), f"argument {paths[j]}", binding.leaf_key(j)))
     return guards
-
-
-# ------------------------------------------------------------------ errors
-_DATA_DEPENDENT = (
-    "GuardOnDataDependentSymNode", "DataDependentOutputException", "DynamicOutputShapeException",
-)
-_LIBRARY_DIRS = (
-    os.path.dirname(torch.__file__),
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-)
-
-
-def _frames(e: BaseException) -> list[traceback.FrameSummary]:
-    frames: list[traceback.FrameSummary] = []
-    seen: set[int] = set()
-    exc: BaseException | None = e
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        frames = traceback.extract_tb(exc.__traceback__) + frames
-        exc = exc.__cause__ or exc.__context__
-    return frames
-
-
-def _where(e: BaseException, fn: Callable[..., Any]) -> str:
-    """The user's line (in the step's file) and the innermost line outside torch and
-    spmd_backend (a library such as transformers) on the failing call's stack."""
-    frames = [f for f in _frames(e) if not f.filename.startswith(_LIBRARY_DIRS)]
-    step_file = getattr(getattr(fn, "__code__", None), "co_filename", None)
-    parts = []
-    in_step = [f for f in frames if f.filename == step_file]
-    if in_step:
-        f = in_step[-1]
-        parts.append(f"your step at {f.filename}:{f.lineno} `{(f.line or '').strip()}`")
-    if frames and (not in_step or frames[-1] is not in_step[-1]):
-        f = frames[-1]
-        parts.append(f"called from {f.filename}:{f.lineno} `{(f.line or '').strip()}`")
-    return "; ".join(parts)
-
-
-def _trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdError:
-    msg = str(e)
-    where = _where(e, fn)
-    at = f" ({where})" if where else ""
-    if "Please convert all Tensors to FakeTensors" in msg:
-        return SpmdTraceError(
-            "the train step used a real tensor that is neither a parameter, buffer, optimizer "
-            "state nor an argument of the call (a tensor captured from an enclosing scope?); "
-            f"pass it as an argument or register it as a buffer{at}. ({msg[:300]})"
-        )
-    if type(e).__name__ in _DATA_DEPENDENT or "data-dependent" in msg:
-        return SpmdTraceError(
-            "the train step makes a Python decision on a tensor's value (.item(), bool(tensor), "
-            f"a data-dependent shape){at}, which one compiled graph cannot replay for other "
-            "values. Keep the value a tensor (torch.where instead of if, no .item() in the "
-            f"step) or move it out of the step. ({type(e).__name__}: {msg.splitlines()[0][:200]})"
-        )
-    return SpmdTraceError(f"tracing the train step failed{at}: {type(e).__name__}: {msg}")
-

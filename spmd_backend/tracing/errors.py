@@ -1,0 +1,86 @@
+"""Errors of a failed trace, pointing at the user's code rather than at torch internals.
+
+:func:`trace_error` turns an exception raised while tracing into an
+:class:`~spmd_backend.errors.SpmdTraceError` that says what kind of problem it is (a real tensor
+captured from outside, a Python decision on a tensor's value) and where: the line of the user's
+step function and the innermost line outside torch and spmd_backend (a library such as
+transformers) on the failing call's stack. :func:`user_frame` gives that innermost line for any
+stack.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from spmd_backend.errors import SpmdTraceError
+
+_DATA_DEPENDENT = (
+    "GuardOnDataDependentSymNode", "DataDependentOutputException", "DynamicOutputShapeException",
+)
+_LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+)
+
+
+def _is_user(frame: traceback.FrameSummary) -> bool:
+    return not frame.filename.startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<")
+
+
+def _describe(frame: traceback.FrameSummary) -> str:
+    return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
+
+
+def user_frame(frames: Sequence[traceback.FrameSummary]) -> str:
+    """The innermost frame outside torch and spmd_backend, described (or "")."""
+    user = [f for f in frames if _is_user(f)]
+    return _describe(user[-1]) if user else ""
+
+
+def _frames(e: BaseException) -> list[traceback.FrameSummary]:
+    frames: list[traceback.FrameSummary] = []
+    seen: set[int] = set()
+    exc: BaseException | None = e
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        frames = traceback.extract_tb(exc.__traceback__) + frames
+        exc = exc.__cause__ or exc.__context__
+    return frames
+
+
+def _where(e: BaseException, fn: Callable[..., Any]) -> str:
+    frames = [f for f in _frames(e) if _is_user(f)]
+    step_file = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    parts = []
+    in_step = [f for f in frames if f.filename == step_file]
+    if in_step:
+        parts.append(f"your step at {_describe(in_step[-1])}")
+    if frames and (not in_step or frames[-1] is not in_step[-1]):
+        parts.append(f"called from {_describe(frames[-1])}")
+    return "; ".join(parts)
+
+
+def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
+    """``e`` (raised while tracing ``fn``) as an error that names its kind and place."""
+    msg = str(e)
+    where = _where(e, fn)
+    at = f" ({where})" if where else ""
+    if "Please convert all Tensors to FakeTensors" in msg:
+        return SpmdTraceError(
+            "the train step used a real tensor that is neither a parameter, buffer, optimizer "
+            "state nor an argument of the call (a tensor captured from an enclosing scope?); "
+            f"pass it as an argument or register it as a buffer{at}. ({msg[:300]})"
+        )
+    if type(e).__name__ in _DATA_DEPENDENT or "data-dependent" in msg:
+        return SpmdTraceError(
+            "the train step makes a Python decision on a tensor's value (.item(), bool(tensor), "
+            f"a data-dependent shape){at}, which one compiled graph cannot replay for other "
+            "values. Keep the value a tensor (torch.where instead of if, no .item() in the "
+            f"step) or move it out of the step. ({type(e).__name__}: {msg.splitlines()[0][:200]})"
+        )
+    return SpmdTraceError(f"tracing the train step failed{at}: {type(e).__name__}: {msg}")

@@ -1,0 +1,85 @@
+"""AMP: autocast and ``torch.amp.GradScaler`` inside the compiled step, against DDP (2 ranks).
+
+The step is written as users write it (``scaler.scale(loss).backward(); scaler.step(opt);
+scaler.update()``), with the scaler passed as an argument or captured from the enclosing scope.
+One step gets an inf gradient on rank 1 only: after the all_reduce both ranks must skip it
+(eager's ``found_inf``), back the scale off, and stay identical to DDP, also on the very first
+step (where eager creates no optimizer state at all).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multirank
+
+INF_STEPS = (0, 3)  # the first step (state creation) and a steady-state step
+
+
+def _job(rank: int, world: int, impl: str, scaler_as_argument: bool) -> dict[str, float]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spmd_backend
+    from spmd_backend.testing.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(8, 32, 3, 4)
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    kw = {"fused": True} if impl == "fused" else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **kw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+
+    def train_step(model, optim, x, scaler):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optim)
+        scaler.update()
+        optim.zero_grad()
+        return loss
+
+    def closure_step(model, optim, x):
+        return train_step(model, optim, x, scaler)
+
+    mode = spmd_backend.DataParallel(reduce_op="avg")
+    if scaler_as_argument:
+        compiled = spmd_backend.compile(parallel_mode=mode)(train_step)
+        run = lambda x: compiled(model, opt, x, scaler)  # noqa: E731
+    else:
+        compiled = spmd_backend.compile(parallel_mode=mode)(closure_step)
+        run = lambda x: compiled(model, opt, x)  # noqa: E731
+
+    gen = torch.Generator().manual_seed(10 + rank)
+    out: dict[str, float] = {}
+    for i in range(6):
+        x = torch.randn(8, 8, generator=gen)
+        if i in INF_STEPS and rank == 1:
+            x[0, 0] = float("inf")
+        run(x)
+        train_step(ddp, ref_opt, x, ref_scaler)
+        if i == 0:
+            out["state_after_skipped_first_step"] = float(len(opt.state) - len(ref_opt.state))
+    out["scale"] = scaler.get_scale() - ref_scaler.get_scale()
+    out["params"] = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+    state, ref_state = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    out["state"] = max(
+        float((v - ref_state[i][k]).abs().max())
+        for i, s in state.items() for k, v in s.items()
+    )
+    out["skipped_steps"] = float(sum(1 for s in opt.state.values() if s["step"] < 6 - len(INF_STEPS)))
+    return out
+
+
+@pytest.mark.parametrize("impl,scaler_as_argument", [("default", True), ("fused", False)])
+def test_grad_scaler_matches_ddp_with_skipped_steps(rank_pool, impl, scaler_as_argument):
+    for out in rank_pool.run(_job, impl, scaler_as_argument):
+        assert out["state_after_skipped_first_step"] == 0.0
+        assert out["scale"] == 0.0
+        assert out["params"] < 1e-5 and out["state"] < 1e-5, out
+        assert out["skipped_steps"] == 0.0  # every parameter took exactly 4 optimizer steps

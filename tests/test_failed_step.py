@@ -1,0 +1,183 @@
+"""A step that fails leaves the model, optimizer and gradients exactly as they were.
+
+One process, fake process group. A transformation injects an op that raises after some
+in-place optimizer updates already ran; the call must raise an SpmdRuntimeError naming that
+node, every parameter, buffer, gradient and optimizer-state tensor must equal its value before
+the call, and training must continue exactly like eager afterwards. Also: in-place rewrites
+never change a tensor's shape or dtype (RAdam's 0-dim step).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_backend
+from spmd_backend import SpmdRuntimeError
+from spmd_backend.gm_transformation import GraphModuleTransformation
+from spmd_backend.graph.commit import inputs_at_risk
+from spmd_backend.graph.meta import Phase, get_phase, inherit
+
+FAULT = {"on": False}
+
+
+@torch.library.custom_op("spmd_test::fault_", mutates_args=("x",))
+def fault_(x: torch.Tensor) -> None:
+    if FAULT["on"]:
+        raise RuntimeError("injected fault")
+
+
+@fault_.register_fake
+def _fault_fake(x: torch.Tensor) -> None:
+    return None
+
+
+def _writes(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
+
+
+def insert_fault_after_first_update(gm):
+    """After the first in-place optimizer op, call the fault op."""
+    for node in gm.graph.nodes:
+        if get_phase(node) is Phase.OPTIMIZER and node.op == "call_function" and _writes(node):
+            first = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
+            with gm.graph.inserting_after(node):
+                injected = gm.graph.call_function(torch.ops.spmd_test.fault_.default, (first,))
+            inherit(injected, node)
+            injected.meta["val"] = None
+            return
+    raise AssertionError("no in-place optimizer op found")
+
+
+def step(model, optim, batch):
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16, bias=False)  # a bias before BatchNorm gets no gradient
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def snapshot(model, opt):
+    tensors = [t.detach().clone() for t in model.parameters()]
+    tensors += [b.clone() for b in model.buffers()]
+    tensors += [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return tensors, grads
+
+
+def assert_same(a, b):
+    (ta, ga), (tb, gb) = a, b
+    assert len(ta) == len(tb)
+    for x, y in zip(ta, tb):
+        assert torch.equal(x, y)
+    for x, y in zip(ga, gb):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize("inductor", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_fault_after_in_place_updates_restores_everything(fake_pg, inductor):
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=True)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01, foreach=True)
+    transformation = GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=inductor,
+        extra_passes=[insert_fault_after_first_update],
+    )
+    compiled = spmd_backend.compile(gm_transformation=transformation)(step)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 8, generator=gen)
+        compiled(model, opt, x)
+        step(twin, twin_opt, x)
+    assert compiled.graph.rollback.positions, "the injected op follows in-place updates"
+    before = snapshot(model, opt)
+    FAULT["on"] = True
+    try:
+        with pytest.raises(SpmdRuntimeError, match="injected fault") as info:
+            compiled(model, opt, torch.randn(8, 8, generator=gen))
+    finally:
+        FAULT["on"] = False
+    assert "fault_" in str(info.value) and "restored" in str(info.value)
+    assert_same(snapshot(model, opt), before)
+    for _ in range(2):  # training goes on as if the failed call never happened
+        x = torch.randn(8, 8, generator=gen)
+        compiled(model, opt, x)
+        step(twin, twin_opt, x)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_default_pipeline_snapshots_only_step_counters(fake_pg, impl):
+    """Parameters and moments are written only after every collective; only the step counters
+    (incremented before the gradients arrive) need a snapshot, which costs a few scalars."""
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, **{impl: True})
+    transformation = GraphModuleTransformation(enable_graph_optimization=True)
+    compiled = spmd_backend.compile(gm_transformation=transformation)(step)
+    for _ in range(2):
+        compiled(model, opt, torch.randn(8, 8))
+    risk = inputs_at_risk(compiled.compiled.graph)
+    assert risk.names and all(n.endswith("_step") for n in risk.names), risk
+    assert compiled.graph.rollback.names == risk.names
+
+
+def test_failure_before_any_write_changes_nothing(fake_pg):
+    """An index out of range in the forward: nothing written, nothing to restore."""
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, ids):
+            return self.bn(self.emb(ids))
+
+    model = Embed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    compiled = spmd_backend.compile()(step)
+    for _ in range(2):
+        compiled(model, opt, torch.randint(0, 10, (6,)))
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdRuntimeError, match="the compiled step failed at node") as info:
+        compiled(model, opt, torch.tensor([1, 2, 30, 4, 5, 6]))  # 30 is out of range
+    assert "embedding" in str(info.value)
+    assert_same(snapshot(model, opt), before)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "single"])
+def test_radam_in_place_rewrite_keeps_shapes(fake_pg, impl):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.RAdam(model.parameters(), lr=0.01, foreach=impl == "foreach")
+    twin_opt = torch.optim.RAdam(twin.parameters(), lr=0.01, foreach=impl == "foreach")
+    compiled = spmd_backend.compile(
+        gm_transformation=GraphModuleTransformation(enable_graph_optimization=True)
+    )(step)
+    for _ in range(8):  # RAdam's rectified branch starts after 5 steps
+        x = torch.randn(4, 16)
+        compiled(model, opt, x)
+        step(twin, twin_opt, x)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
