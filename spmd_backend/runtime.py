@@ -24,7 +24,8 @@ import torch
 import torch.fx as fx
 
 from spmd_backend.errors import SpmdDistributedError, SpmdError, SpmdRuntimeError
-from spmd_backend.graph.commit import CommitRisk, inputs_at_risk, union, written_placeholders
+from spmd_backend.graph.commit import CommitRisk, inputs_at_risk, union
+from spmd_backend.graph.utils import mutated_placeholders
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def rollback_plan(runner: Any, source: fx.Graph, n_inputs: int) -> RollbackPlan:
     found = _graphs(runner)
     if found is None:  # an opaque callable: everything the step writes is at risk
         placeholders = [n for n in source.nodes if n.op == "placeholder"]
-        written = {p for n in source.nodes for p in written_placeholders(n)}
+        written = {p for n in source.nodes for p in mutated_placeholders(n)}
         pos = tuple(i for i, p in enumerate(placeholders) if p in written)
         return RollbackPlan(pos, tuple(placeholders[i].name for i in pos),
                             f"the transformation returned an opaque {type(runner).__name__}")

@@ -18,14 +18,7 @@ import torch.nn as nn
 
 import spmd_backend
 from spmd_backend import SpmdTraceError, SpmdUsageError
-
-
-def step(model, optim, batch):
-    loss = model(batch).pow(2).mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+from spmd_backend.testing.steps import train_step as step
 
 
 class DropNorm(nn.Module):
@@ -64,7 +57,7 @@ def test_eval_after_train_retraces_and_matches_eager(fake_pg, caplog):
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
     assert retrace_messages(caplog) == [
-        "spmd_backend: retracing step: the model switched from train to eval mode (model.eval())"
+        "spmd_backend: retracing train_step: the model switched from train to eval mode (model.eval())"
     ]
     model.train()
     compiled(model, opt, x)  # back to the cached train graph
@@ -80,7 +73,7 @@ def test_one_submodule_switching_mode_is_named(fake_pg, caplog):
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
         compiled(model, opt, torch.randn(8, 8))
     assert retrace_messages(caplog) == [
-        "spmd_backend: retracing step: module 'drop' switched from train to eval mode"
+        "spmd_backend: retracing train_step: module 'drop' switched from train to eval mode"
     ]
 
 
@@ -101,8 +94,8 @@ def test_module_attributes_and_hooks_are_part_of_the_key(fake_pg, caplog):
             m.fc1.register_forward_hook(lambda mod, args, out: out * 0.5)
         torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
     assert retrace_messages(caplog) == [
-        "spmd_backend: retracing step: attribute <root>.scale changed from 1.0 to 3.0",
-        "spmd_backend: retracing step: the hooks of module 'fc1' changed",
+        "spmd_backend: retracing train_step: attribute <root>.scale changed from 1.0 to 3.0",
+        "spmd_backend: retracing train_step: the hooks of module 'fc1' changed",
     ]
 
 
@@ -125,7 +118,7 @@ def test_grad_mode_and_autocast_are_part_of_the_key(fake_pg, caplog):
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
     assert retrace_messages(caplog) == [
-        "spmd_backend: retracing step: autocast on cpu (enabled, dtype) changed from "
+        "spmd_backend: retracing train_step: autocast on cpu (enabled, dtype) changed from "
         "(False, torch.bfloat16) to (True, torch.bfloat16)"
     ]
 
@@ -148,7 +141,7 @@ def test_non_lifted_hyperparameter_change_is_named(fake_pg, caplog):
         compiled(model, opt, x)
         step(twin, twin_opt, x)
     assert retrace_messages(caplog) == [
-        "spmd_backend: retracing step: param_groups[0]['maximize'] (read by the step) changed "
+        "spmd_backend: retracing train_step: param_groups[0]['maximize'] (read by the step) changed "
         "from False to True"
     ]
     for p, q in zip(model.parameters(), twin.parameters()):

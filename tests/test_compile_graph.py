@@ -13,16 +13,9 @@ import spmd_backend
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase, get_phase
 from spmd_backend.testing.models import GPT, MLP, BatchNormNet
+from spmd_backend.testing.steps import train_step as sgd_step
 
 c10d = torch.ops._c10d_functional
-
-
-def sgd_step(model, optim, batch):
-    loss = model(batch).pow(2).mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def eager_twin(model, optim_cls, **kw):

@@ -20,6 +20,7 @@ from spmd_backend import SpmdRuntimeError
 from spmd_backend.gm_transformation import GraphModuleTransformation
 from spmd_backend.graph.commit import inputs_at_risk
 from spmd_backend.graph.meta import Phase, get_phase, inherit
+from spmd_backend.testing.steps import train_step as step
 
 FAULT = {"on": False}
 
@@ -53,14 +54,6 @@ def insert_fault_after_first_update(gm):
             injected.meta["val"] = None
             return
     raise AssertionError("no in-place optimizer op found")
-
-
-def step(model, optim, batch):
-    loss = model(batch).pow(2).mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 class Net(nn.Module):

@@ -20,18 +20,11 @@ from spmd_backend import DataParallel, SpmdDistributedError, SpmdUsageError
 from spmd_backend.testing import RankPool, check_ddp_parity
 from spmd_backend.testing.models import MLP
 from spmd_backend.testing.random_models import random_case
+from spmd_backend.testing.steps import train_step as _step
 
 pytestmark = pytest.mark.multirank
 
 FAST_CHECK = DataParallel(consistency_timeout_s=10)
-
-
-def _step(model, optim, batch):
-    loss = model(batch).pow(2).mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 # ----------------------------------------------------------------------------- consistency

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from spmd_backend.graph import ops
+from spmd_backend.graph.utils import mutated_placeholders
 
 aten = torch.ops.aten
 
@@ -61,38 +61,6 @@ def is_fallible(node: fx.Node) -> bool:
     return not ops.is_getitem(node)
 
 
-def _base(node: object) -> fx.Node | None:
-    """The placeholder ``node`` is (or views), else None."""
-    for _ in range(16):
-        if not isinstance(node, fx.Node):
-            return None
-        if node.op == "placeholder":
-            return node
-        target = node.target
-        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.is_view:
-            node = node.args[0]
-            continue
-        return None
-    return None
-
-
-def written_placeholders(node: fx.Node) -> list[fx.Node]:
-    """Placeholders ``node`` writes in place (directly or through a view)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return []
-    out: list[fx.Node] = []
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        for leaf in pytree.tree_leaves(value):
-            base = _base(leaf)
-            if base is not None:
-                out.append(base)
-    return out
-
-
 @dataclass(frozen=True)
 class CommitRisk:
     """Placeholders written before a fallible op, and that op (for the log)."""
@@ -110,7 +78,7 @@ def inputs_at_risk(graph: fx.Graph) -> CommitRisk:
     last_fallible = max((i for i, n in enumerate(nodes) if is_fallible(n)), default=-1)
     at_risk: dict[fx.Node, str] = {}
     for n in nodes[: max(last_fallible, 0)]:
-        for p in written_placeholders(n):
+        for p in mutated_placeholders(n):
             at_risk.setdefault(p, nodes[last_fallible].name)
     ordered = sorted(at_risk, key=position.__getitem__)
     return CommitRisk(

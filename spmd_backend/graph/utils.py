@@ -52,8 +52,24 @@ def node_inputs(node: fx.Node) -> list[fx.Node]:
     return list(seen)
 
 
+def viewed_placeholder(node: object) -> fx.Node | None:
+    """The placeholder ``node`` is, or is a view of (through aten view ops), else None."""
+    for _ in range(16):
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "placeholder":
+            return node
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.is_view:
+            node = node.args[0]
+            continue
+        return None
+    return None
+
+
 def mutated_placeholders(node: fx.Node) -> list[fx.Node]:
-    """Placeholders ``node`` writes in place (``copy_`` destinations, mutable schema args)."""
+    """Placeholders ``node`` writes in place (``copy_`` destinations, mutable schema args),
+    directly or through a view."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return []
@@ -63,8 +79,9 @@ def mutated_placeholders(node: fx.Node) -> list[fx.Node]:
             continue
         value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
         for leaf in pytree.tree_leaves(value):
-            if isinstance(leaf, fx.Node) and leaf.op == "placeholder":
-                out.append(leaf)
+            base = viewed_placeholder(leaf)
+            if base is not None:
+                out.append(base)
     return out
 
 
