@@ -44,9 +44,11 @@ from spmd_backend.parallel.data_parallel import (
 from spmd_backend.runtime import RollbackPlan, rollback_plan, run_step
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
-from spmd_backend.tracing.key import StepKey, module_state
+from spmd_backend.tracing.hyperparams import unfusing_lifts
+from spmd_backend.tracing.key import Guard, StepKey, module_state
 from spmd_backend.tracing.layout import StepLayout
 from spmd_backend.tracing.overrides import Override
+from spmd_backend.tracing.shapes import ShapeGuard
 from spmd_backend.tracing.trace import TracedStep, trace_train_step
 
 log = logging.getLogger(__name__)
@@ -91,14 +93,14 @@ class CompiledGraph:
     def layout(self) -> StepLayout:
         return self.traced.layout
 
-    def mismatch(self, binding: StepBinding) -> str | None:
-        """Why this graph may not run ``binding``'s call (its key already matched), or None."""
+    def failed_guard(self, binding: StepBinding) -> Guard | ShapeGuard | None:
+        """The first guard that keeps this graph (whose key matched) from ``binding``'s call."""
         for guard in self.traced.guards:
             if not guard.holds(binding):
-                return guard.describe(binding)
+                return guard
         shape_guard = self.traced.shape_guard
         if shape_guard is not None and not shape_guard.holds(binding):
-            return shape_guard.describe()
+            return shape_guard
         return None
 
 
@@ -125,6 +127,8 @@ class CompiledTrainStep:
         self._cache: dict[StepKey, list[CompiledGraph]] = {}
         self._last: CompiledGraph | None = None
         self._synced_modules: set[int] = set()
+        #: optimizer id -> param groups traced single-tensor instead of fused (see _unfuse)
+        self._unfused: dict[int, frozenset[int]] = {}
         self.trace_count = 0
         functools.update_wrapper(self, fn)
 
@@ -146,11 +150,13 @@ class CompiledTrainStep:
     # ----------------------------------------------------------------- calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         last_train_step = bool(kwargs.pop("last_train_step", False))
-        binding = StepBinding.from_call(
-            args, kwargs, batch_dim_dynamic=self.dynamic_batch, fn=self.fn
-        )
+        binding = self._bind(args, kwargs)
         key = binding.key()
-        entry, why = self._lookup(key, binding)
+        entry, why, guard = self._lookup(key, binding)
+        if entry is None and self._unfuse(binding, guard):
+            binding = self._bind(args, kwargs)
+            key = binding.key()
+            entry, _, _ = self._lookup(key, binding)
         if entry is None:
             if self.cache_size() >= self.max_graphs:
                 raise SpmdUsageError(
@@ -167,20 +173,52 @@ class CompiledTrainStep:
     def _name(self) -> str:
         return getattr(self.fn, "__qualname__", "train_step")
 
-    def _lookup(self, key: StepKey, binding: StepBinding) -> tuple[CompiledGraph | None, str]:
-        """The cached graph for this call, or None with the reason none fits."""
+    def _bind(self, args: tuple, kwargs: dict) -> StepBinding:
+        return StepBinding.from_call(
+            args, kwargs, batch_dim_dynamic=self.dynamic_batch, fn=self.fn, unfused=self._unfused
+        )
+
+    def _lookup(
+        self, key: StepKey, binding: StepBinding
+    ) -> tuple[CompiledGraph | None, str, Guard | ShapeGuard | None]:
+        """The cached graph for this call, or None with the reason none fits (and the guard
+        that failed, when a graph with the same key exists)."""
         candidates = self._cache.get(key)
         if candidates:
-            reasons = []
+            failed: list[Guard | ShapeGuard] = []
             for entry in reversed(candidates):
-                why = entry.mismatch(binding)
-                if why is None:
-                    return entry, ""
-                reasons.append(why)
-            return None, reasons[0]
+                guard = entry.failed_guard(binding)
+                if guard is None:
+                    return entry, "", None
+                failed.append(guard)
+            first = failed[0]
+            why = first.describe(binding) if isinstance(first, Guard) else first.describe()
+            return None, why, first
         if self._last is None:
-            return None, "first call"
-        return None, self._last.key.explain(key, binding)
+            return None, "first call", None
+        return None, self._last.key.explain(key, binding), None
+
+    def _unfuse(self, binding: StepBinding, guard: Guard | ShapeGuard | None) -> bool:
+        """Trace a param group single-tensor when a value it changes between calls (betas[0]
+        or momentum under OneCycleLR) is baked into its fused kernel but a graph input of its
+        single-tensor form; True when that changed how the call is bound."""
+        opt = binding.optimizer
+        if opt is None or not isinstance(guard, Guard) or guard.kind != "group":
+            return False
+        g, key, *index = guard.where
+        if not unfusing_lifts(opt, g, key, index[0] if index else None):
+            return False
+        groups = self._unfused.get(id(opt), frozenset())
+        if g in groups:
+            return False
+        self._unfused[id(opt)] = groups | {g}
+        log.warning(
+            "spmd_backend: %s; it changes between calls (a scheduler?), so param group %d of "
+            "%s is traced with its single-tensor implementation, where it is a graph input, "
+            "instead of the fused kernel, where it would need a new graph each time",
+            guard.describe(binding), g, type(opt).__name__,
+        )
+        return True
 
     def _compile(self, binding: StepBinding, key: StepKey, why: str) -> CompiledGraph:
         if self._last is not None and not self._last.bootstrap:

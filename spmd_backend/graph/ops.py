@@ -39,12 +39,15 @@ FUSED_OPTIMIZER_TARGETS: frozenset = frozenset(
         aten._fused_adamw.tensor_lr,
         aten._fused_sgd.default,
         aten._fused_sgd.tensor_lr,
+        aten._fused_adagrad.default,
+        aten._fused_adagrad.tensor_lr,
     }
 )
 
 #: in-place fused optimizer op -> (its functional variant, number of leading tensor lists it
 #: mutates: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs for Adam(W); params, grads,
-#: momentum buffers for SGD)
+#: momentum buffers for SGD; params, grads, state sums (and, by the float-lr schema only, the
+#: unchanged step counts) for Adagrad)
 FUSED_INPLACE_TO_FUNCTIONAL: dict = {
     aten._fused_adam_.default: (aten._fused_adam.default, 5),
     aten._fused_adam_.tensor_lr: (aten._fused_adam.tensor_lr, 5),
@@ -52,6 +55,8 @@ FUSED_INPLACE_TO_FUNCTIONAL: dict = {
     aten._fused_adamw_.tensor_lr: (aten._fused_adamw.tensor_lr, 5),
     aten._fused_sgd_.default: (aten._fused_sgd.default, 3),
     aten._fused_sgd_.tensor_lr: (aten._fused_sgd.tensor_lr, 3),
+    aten._fused_adagrad_.default: (aten._fused_adagrad.default, 4),
+    aten._fused_adagrad_.tensor_lr: (aten._fused_adagrad.tensor_lr, 3),
 }
 
 #: functional fused optimizer op -> number of leading tensor lists its in-place variant mutates
@@ -96,7 +101,8 @@ def is_wait(node: fx.Node) -> bool:
 
 
 def is_fused_optimizer(node: fx.Node) -> bool:
-    """A functional fused optimizer kernel (``_fused_adam``, ``_fused_adamw``, ``_fused_sgd``)."""
+    """A functional fused optimizer kernel (``_fused_adam(w)``, ``_fused_sgd``, ``_fused_adagrad``).
+    """
     return _is_call(node, FUSED_OPTIMIZER_TARGETS)
 
 

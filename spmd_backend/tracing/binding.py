@@ -76,18 +76,19 @@ class StepBinding:
     #: non-tensor leaves inside argument dicts: keyed only if the trace reads them
     tracked_leaves: frozenset[int]
     hyper_slots: list[HyperSlot]
+    #: param groups traced single-tensor although fused by default (see hyperparams.unfusing_lifts)
+    unfused_groups: frozenset[int] = frozenset()
     #: objects besides the module and optimizer whose tensors the step uses (GradScalers)
     aux_objects: list[Any] = field(default_factory=list)
     batch_dim_dynamic: bool = False
-    #: argument dims traced with a fixed size although marked dynamic (the model specialised
-    #: them); set by the caller for graphs keyed on exact sizes
-    static_dims: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
     def from_call(
         cls, args: tuple, kwargs: dict, batch_dim_dynamic: bool = False,
-        fn: Any = None,
+        fn: Any = None, unfused: dict[int, frozenset[int]] | None = None,
     ) -> StepBinding:
+        """Bind a call. ``unfused`` maps an optimizer's id to the param groups traced with
+        their single-tensor implementation instead of the fused default."""
         args, kwargs = adapt_user_dicts((args, kwargs))
         with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
         flat = [leaf for _, leaf in with_paths]
@@ -119,6 +120,7 @@ class StepBinding:
             )
         module = modules[0]
         optimizer = optims[0] if optims else None
+        unfused_groups = (unfused or {}).get(id(optimizer), frozenset())
         if optimizer is not None:
             check_optimizer_supported(optimizer)
 
@@ -163,7 +165,8 @@ class StepBinding:
             kwargs=kwargs,
             leaf_paths=paths,
             tracked_leaves=tracked,
-            hyper_slots=lifted_slots(optimizer),
+            hyper_slots=lifted_slots(optimizer, unfused_groups),
+            unfused_groups=unfused_groups,
             aux_objects=find_grad_scalers(flat, fn),
             batch_dim_dynamic=batch_dim_dynamic,
         )
@@ -188,10 +191,10 @@ class StepBinding:
         return tuple(a for a in GRAD_SCALER_TENSORS if isinstance(getattr(obj, a, None), torch.Tensor))
 
     def dims_traced_dynamic(self, j: int) -> set[int]:
-        """The dims of tensor argument leaf ``j`` traced symbolically (size >= 2, not pinned)."""
+        """The dims of tensor argument leaf ``j`` traced symbolically (marked, size >= 2)."""
         leaf = self.flat_args[j]
         dims = dynamic_dims(leaf, self.batch_dim_dynamic)
-        return {d for d in dims if leaf.shape[d] >= 2 and (j, d) not in self.static_dims}
+        return {d for d in dims if leaf.shape[d] >= 2}
 
     def leaf_key(self, j: int) -> Any:
         leaf = self.flat_args[j]
@@ -219,7 +222,7 @@ class StepBinding:
                 lifted.setdefault(g, []).append((k, i))
             groups = tuple(
                 (tuple(idx[id(p)] for p in g["params"]), tuple(sorted(g, key=str)),
-                 tuple(lifted.get(gi, ())))
+                 tuple(lifted.get(gi, ())), gi in self.unfused_groups)
                 for gi, g in enumerate(opt.param_groups)
             )
             state = tuple(

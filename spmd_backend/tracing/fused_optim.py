@@ -1,12 +1,15 @@
 """Make torch's fused optimizer kernels traceable into a functional graph.
 
-torch 2.13 ships meta kernels only for ``_fused_adam(_).default`` and ``_fused_adamw_.default``.
-Tracing a fused optimizer with a tensor learning rate (which we need, so the graph reads the
-current lr instead of baking it in) and functionalizing it needs two more things:
+torch 2.13 ships meta kernels only for ``_fused_adam(_).default`` and ``_fused_adamw_.default``
+(none for Adagrad's). Tracing a fused optimizer with a tensor learning rate (which we need, so
+the graph reads the current lr instead of baking it in) and functionalizing it needs two more
+things:
 
-1. Meta kernels for the functional variants ``_fused_adam.tensor_lr``, ``_fused_adamw[.tensor_lr]``
-   and ``_fused_sgd[.tensor_lr]``. They are registered once, process-wide, and only where torch
-   has none (a later torch that ships them wins).
+1. Meta kernels for the functional variants ``_fused_adam.tensor_lr``,
+   ``_fused_adamw[.tensor_lr]``, ``_fused_sgd[.tensor_lr]`` and ``_fused_adagrad[.tensor_lr]``
+   (and the in-place ``_fused_adagrad_[.tensor_lr]``, which Inductor's re-trace meets after
+   ``remove_copy_from_optimizer``). They are registered once, process-wide, and only where
+   torch has none (a later torch that ships them wins).
 2. A rewrite of the in-place kernels (``_fused_adam_`` ...) into the functional kernel followed by
    ``copy_`` into each mutated list. Functionalizing the in-place kernels directly fails when a
    list argument is empty (``max_exp_avg_sqs`` without amsgrad). :data:`INPLACE_TO_FUNCTIONAL`
@@ -54,12 +57,44 @@ def _sgd_meta(
     return _empty_like_lists([self, grads, momentum_buffer_list])
 
 
+def _adagrad_meta(
+    self: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state_sums: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    **kwargs: object,
+) -> tuple:
+    return _empty_like_lists([self, grads, state_sums])
+
+
+def _adagrad_float_lr_meta(
+    self: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    state_sums: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    **kwargs: object,
+) -> tuple:
+    # the float-lr schema also returns (unchanged copies of) the step counts
+    return _empty_like_lists([self, grads, state_sums, state_steps])
+
+
+def _inplace_meta(*args: object, **kwargs: object) -> None:
+    """In-place kernels return nothing; their meta kernel has nothing to compute."""
+    return None
+
+
 _META_KERNELS = {
     "_fused_adam.tensor_lr": _adam_family_meta,
     "_fused_adamw": _adam_family_meta,
     "_fused_adamw.tensor_lr": _adam_family_meta,
     "_fused_sgd": _sgd_meta,
     "_fused_sgd.tensor_lr": _sgd_meta,
+    "_fused_adagrad": _adagrad_float_lr_meta,
+    "_fused_adagrad.tensor_lr": _adagrad_meta,
+    # the in-place Adagrad kernels come back from remove_copy_from_optimizer and reach
+    # Inductor's re-trace (Adam's and SGD's are decomposed first, lowering/fused_decomp.py)
+    "_fused_adagrad_": _inplace_meta,
+    "_fused_adagrad_.tensor_lr": _inplace_meta,
 }
 
 _LIBRARY: torch.library.Library | None = None

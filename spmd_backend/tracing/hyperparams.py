@@ -5,12 +5,18 @@ A scheduler may change a param group's ``lr`` every step (and OneCycleLR/CyclicL
 tensor in their place and every call feeds the current value, so a schedule never retraces.
 float64 keeps eager's arithmetic: eager computes ``1 - lr * weight_decay`` and friends on Python
 doubles and rounds once where they meet the parameters; a float64 tensor does the same (a fused
-optimizer with a float64 tensor lr matches eager bit for bit, a float32 one does not).
+optimizer with a float64 tensor lr matches eager bit for bit, a float32 one does not). A fused
+kernel off the CPU gets a float32 lr: CUDA's kernels read it as ``float``.
 
 Only keys whose every use in the optimizer's code accepts a tensor can be lifted (``alpha=`` of
-``add`` must be a Python number, for instance); :data:`LIFTABLE` lists them per optimizer class
-(checked by the test suite for every class and implementation). Other values are guarded: a
-change retraces with a log line naming the key.
+``add``, the base of ``_foreach_pow`` and the fused kernels' scalars must be Python numbers, for
+instance), and that depends on the implementation the group is traced with
+(:func:`traced_implementation`). :data:`LIFTABLE` lists them per optimizer class and
+implementation, measured on torch 2.13 by ``tools/hyper_survey.py`` (lift, change every step,
+no retrace, match eager); uses that would only trace through ``.item()`` (a host sync per use
+on accelerators) are left out. ``if weight_decay != 0``-style tests of a lifted value are
+answered while tracing (:mod:`spmd_backend.tracing.optimizer_swap`) and guard on the value's
+sign. Other values are guarded: a change retraces with a log line naming the key.
 
 A *slot* is ``(group index, key, element)``: ``element`` is ``None`` for a number and the tuple
 position for tuple values such as ``betas``.
@@ -18,25 +24,155 @@ position for tuple values such as ``betas``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 HyperSlot = tuple[int, str, "int | None"]
 
-#: optimizer class name -> param-group keys lifted to graph inputs (when their value is a float)
-LIFTABLE: dict[str, tuple[str, ...]] = {}
 
-#: keys lifted for an optimizer class not in :data:`LIFTABLE`
-DEFAULT_LIFTABLE: tuple[str, ...] = ("lr",)
+@dataclass(frozen=True)
+class Lift:
+    """A liftable param-group entry (``index``: the element of a tuple value), optionally only
+    while a boolean group option is true (``only_if``) or false (``unless``)."""
+
+    key: str
+    index: int | None = None
+    only_if: str | None = None
+    unless: str | None = None
+
+    def applies(self, group: dict[str, Any]) -> bool:
+        if self.only_if is not None and not group.get(self.only_if):
+            return False
+        return self.unless is None or not group.get(self.unless)
 
 
-def liftable_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+_LR, _EPS = Lift("lr"), Lift("eps")
+_B1, _B2 = Lift("betas", 0), Lift("betas", 1)
+_WD = Lift("weight_decay")
+_DECOUPLED_WD = Lift("weight_decay", only_if="decoupled_weight_decay")
+# nesterov passes momentum as `alpha=` of add
+_SGD_MOMENTUM = Lift("momentum", unless="nesterov")
+# Rprop's lr only seeds the step sizes when its state is created (`full_like` wants a number);
+# `clamp_(min, max)` takes both step sizes as tensors or neither (see _lifts)
+_RPROP = (Lift("etas", 0), Lift("etas", 1), Lift("step_sizes", 0), Lift("step_sizes", 1))
+
+#: optimizer class name -> traced implementation -> liftable entries (torch 2.13). Not listed,
+#: with the call that rejects a tensor: every fused scalar but lr; ``_foreach_pow(beta, steps)``
+#: (foreach beta1 of Adam/AdamW/Adamax/RAdam, beta2 of Adam/AdamW/RAdam);
+#: ``add(alpha=weight_decay)`` (coupled weight decay); ``_foreach_add(alpha=lambd)`` and
+#: ``_foreach_sub(steps, t0)`` (ASGD foreach); NAdam foreach beta2 (a CPU-scalar check). Only
+#: through ``.item()``: ``value=1 - beta2`` (single-tensor Adam family), ``alpha=1 - dampening``
+#: (SGD), RMSprop's ``alpha``, Adadelta's ``rho``, NAdam foreach beta1.
+LIFTABLE: dict[str, dict[str, tuple[Lift, ...]]] = {
+    "SGD": {
+        "single": (_LR, _SGD_MOMENTUM, _WD),
+        "foreach": (_LR, _SGD_MOMENTUM),
+        "fused": (_LR,),
+    },
+    "Adam": {
+        "single": (_LR, _B1, _EPS, _DECOUPLED_WD),
+        "foreach": (_LR, _EPS, _DECOUPLED_WD),
+        "fused": (_LR,),
+    },
+    "AdamW": {
+        "single": (_LR, _B1, _EPS, _WD),
+        "foreach": (_LR, _EPS, _WD),
+        "fused": (_LR,),
+    },
+    "Adamax": {"single": (_LR, _B1, _B2, _EPS), "foreach": (_LR, _B2, _EPS)},
+    "NAdam": {
+        "single": (_LR, _B1, _EPS, Lift("momentum_decay"), _DECOUPLED_WD),
+        "foreach": (_LR, _EPS, Lift("momentum_decay"), _DECOUPLED_WD),
+    },
+    "RAdam": {
+        "single": (_LR, _B1, _EPS, _DECOUPLED_WD),
+        "foreach": (_LR, _EPS, _DECOUPLED_WD),
+    },
+    "RMSprop": {"single": (_LR, _EPS, Lift("momentum")), "foreach": (_LR, Lift("momentum"))},
+    "Adagrad": {
+        "single": (_LR, Lift("lr_decay"), _EPS),
+        "foreach": (_LR, Lift("lr_decay"), _EPS),
+        "fused": (_LR,),
+    },
+    "Adadelta": {"single": (_LR, _EPS), "foreach": (_LR, _EPS)},
+    "ASGD": {"single": (_LR, Lift("lambd"), Lift("alpha"), Lift("t0")), "foreach": (_LR,)},
+    "Rprop": {"single": _RPROP, "foreach": _RPROP},
+}
+
+#: entries lifted for an optimizer class not in :data:`LIFTABLE`
+DEFAULT_LIFTABLE: tuple[Lift, ...] = (_LR,)
+
+#: optimizer classes whose fused kernel traces (meta kernels: spmd_backend.tracing.fused_optim)
+FUSED_BY_DEFAULT: frozenset[str] = frozenset({"Adam", "AdamW", "SGD", "Adagrad"})
+
+
+def _torch_class(optimizer: torch.optim.Optimizer) -> str | None:
+    """The name of the torch.optim class whose ``step`` ``optimizer`` runs (None: another)."""
     for cls in type(optimizer).__mro__:
-        keys = LIFTABLE.get(cls.__name__)
-        if keys is not None and cls.__module__.startswith("torch.optim"):
-            return keys
-    return DEFAULT_LIFTABLE
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in LIFTABLE:
+            return cls.__name__ if type(optimizer).step is cls.step else None
+    return None
+
+
+def _fused_supported_devices() -> list[str]:
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()
+
+
+def _can_default_to_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """True when a group left the implementation to torch and the fused kernel can run it.
+
+    torch picks the single-tensor loop on CPU for eager speed; in a compiled graph one fused
+    kernel is both faster and far cheaper to trace, so an unspecified implementation is traced
+    as fused where the kernel supports every parameter and traces (:data:`FUSED_BY_DEFAULT`).
+    Explicit choices are respected.
+    """
+    if _torch_class(optimizer) not in FUSED_BY_DEFAULT:
+        return False
+    if "fused" not in group or group.get("fused") is not None or group.get("foreach") is not None:
+        return False
+    if group.get("differentiable"):
+        return False
+    supported = _fused_supported_devices()
+    return all(
+        torch.is_floating_point(p) and p.device.type in supported for p in group["params"]
+    )
+
+
+def traced_implementation(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], unfused: bool = False
+) -> str:
+    """``"fused"``, ``"foreach"`` or ``"single"``: how ``group`` is traced.
+
+    An unspecified choice is fused where :func:`_can_default_to_fused` allows, else the
+    single-tensor loop (torch never picks foreach for the trace's functional tensors).
+    ``unfused`` (see :func:`unfusing_lifts`) traces a fused group single-tensor.
+    """
+    if not unfused and (group.get("fused") or _can_default_to_fused(optimizer, group)):
+        return "fused"
+    return "foreach" if group.get("foreach") else "single"
+
+
+def unfusing_lifts(optimizer: torch.optim.Optimizer, g: int, key: str, index: int | None) -> bool:
+    """Whether group ``g``'s ``key[index]`` (any element of ``key`` for ``index=None``), baked
+    into a graph because the group is traced fused, would be a graph input with the
+    single-tensor implementation.
+
+    A scheduler that changes ``betas[0]`` or ``momentum`` (OneCycleLR, CyclicLR with
+    ``cycle_momentum``) would otherwise retrace every step: the fused kernels take those as
+    Python numbers only.
+    """
+    group = optimizer.param_groups[g]
+    name = _torch_class(optimizer)
+    if name is None or traced_implementation(optimizer, group) != "fused":
+        return False
+    return any(
+        lift.key == key and (index is None or lift.index == index) and lift.applies(group)
+        for lift in LIFTABLE[name].get("single", ())
+    )
 
 
 def _is_number(value: Any) -> bool:
@@ -45,21 +181,36 @@ def _is_number(value: Any) -> bool:
     )
 
 
-def lifted_slots(optimizer: torch.optim.Optimizer | None) -> list[HyperSlot]:
+def _lifts(optimizer: torch.optim.Optimizer, group: dict[str, Any], unfused: bool) -> list[Lift]:
+    """The entries of :data:`LIFTABLE` that apply to ``group`` and hold a number."""
+    name = _torch_class(optimizer)
+    table = (
+        LIFTABLE[name].get(traced_implementation(optimizer, group, unfused), ())
+        if name is not None else DEFAULT_LIFTABLE
+    )
+    lifts = []
+    for lift in table:
+        value = group.get(lift.key)
+        if lift.index is not None:
+            value = value[lift.index] if isinstance(value, tuple) else None
+        if lift.applies(group) and _is_number(value):
+            lifts.append(lift)
+    if sum(lift.key == "step_sizes" for lift in lifts) == 1:  # Rprop's clamp_(min, max)
+        lifts = [lift for lift in lifts if lift.key != "step_sizes"]
+    return lifts
+
+
+def lifted_slots(
+    optimizer: torch.optim.Optimizer | None, unfused_groups: frozenset[int] = frozenset()
+) -> list[HyperSlot]:
     """The slots lifted for the optimizer's current param groups, in a stable order."""
     if optimizer is None:
         return []
-    keys = liftable_keys(optimizer)
     slots: list[HyperSlot] = []
     for g, group in enumerate(optimizer.param_groups):
-        if not group["params"]:
-            continue
-        for k in keys:
-            value = group.get(k)
-            if _is_number(value):
-                slots.append((g, k, None))
-            elif isinstance(value, tuple):
-                slots.extend((g, k, i) for i, v in enumerate(value) if _is_number(v))
+        if group["params"]:
+            lifts = _lifts(optimizer, group, g in unfused_groups)
+            slots.extend((g, lift.key, lift.index) for lift in lifts)
     return slots
 
 
@@ -74,18 +225,19 @@ def slot_label(slot: HyperSlot) -> str:
     return f"param_groups[{g}][{k!r}]" + ("" if i is None else f"[{i}]")
 
 
-def _as_tensor(value: Any, device: torch.device) -> torch.Tensor:
+def _as_tensor(value: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        return value.detach().to(device=device, dtype=torch.float64)
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
+        return value.detach().to(device=device, dtype=dtype)
+    return torch.tensor(float(value), dtype=dtype, device=device)
 
 
 def gather_hyperparameters(
     optimizer: torch.optim.Optimizer | None,
     slots: list[HyperSlot],
     cache: dict[HyperSlot, tuple[Any, torch.Tensor]] | None = None,
+    unfused_groups: frozenset[int] = frozenset(),
 ) -> list[torch.Tensor]:
-    """The current values of ``slots`` as float64 tensors (cached by value for floats)."""
+    """The current values of ``slots`` as 0-dim tensors (cached by value for floats)."""
     out: list[torch.Tensor] = []
     for slot in slots:
         value = slot_value(optimizer, slot)  # type: ignore[arg-type]
@@ -94,8 +246,13 @@ def gather_hyperparameters(
             if hit is not None and hit[0] == value:
                 out.append(hit[1])
                 continue
-        params = optimizer.param_groups[slot[0]]["params"]  # type: ignore[union-attr]
-        t = _as_tensor(value, params[0].device)
+        group = optimizer.param_groups[slot[0]]  # type: ignore[union-attr]
+        device = group["params"][0].device
+        impl = traced_implementation(optimizer, group, slot[0] in unfused_groups)  # type: ignore[arg-type]
+        fused = impl == "fused"
+        # CUDA's fused kernels read a tensor lr as float
+        dtype = torch.float32 if fused and device.type != "cpu" else torch.float64
+        t = _as_tensor(value, device, dtype)
         if cache is not None and not isinstance(value, torch.Tensor):
             cache[slot] = (value, t)
         out.append(t)

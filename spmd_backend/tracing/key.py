@@ -140,8 +140,10 @@ def optimizer_state_hooks(opt: torch.optim.Optimizer) -> tuple:
 class Guard:
     """A value the trace read, with where it lives; the graph is reused only while it holds."""
 
-    kind: str  # "group" (optimizer param group entry) | "arg" (flat argument leaf)
-    where: tuple  # ("group": (group, key[, element])) | ("arg": (leaf index,))
+    #: "group" (optimizer param group entry) | "sign" (the sign of a lifted hyper-parameter the
+    #: step compared with zero) | "arg" (flat argument leaf)
+    kind: str
+    where: tuple  # ("group"/"sign": (group, key[, element])) | ("arg": (leaf index,))
     label: str
     value: Any
 
@@ -152,18 +154,36 @@ class Guard:
         if self.where[1] not in group:
             return ("missing",)
         value = group[self.where[1]]
-        if len(self.where) == 3:
+        if len(self.where) == 3 and self.where[2] is not None:
             value = value[self.where[2]] if isinstance(value, (list, tuple)) else value
+        if self.kind == "sign":
+            return _sign(value)
         return hashable(value)
 
     def holds(self, binding: Any) -> bool:
         return self.current(binding) == self.value
 
     def describe(self, binding: Any) -> str:
+        if self.kind == "sign":
+            return (
+                f"{self.label} (lifted; the step tests it against zero) changed from "
+                f"{_SIGNS.get(self.value)} to {_SIGNS.get(self.current(binding))}"
+            )
         return (
             f"{self.label} (read by the step) changed from {fmt(self.value)} to "
             f"{fmt(self.current(binding))}"
         )
+
+
+_SIGNS = {-1: "a negative value", 0: "zero", 1: "a positive value", None: "a non-number"}
+
+
+def _sign(value: Any) -> int | None:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (value > 0) - (value < 0)
+    return None
 
 
 @dataclass(frozen=True)

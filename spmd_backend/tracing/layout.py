@@ -114,7 +114,9 @@ class StepLayout:
         if self.state_inputs:
             state = opt.state  # type: ignore[union-attr]
             flat.extend(state[params[i]][k] for i, k in self.state_inputs)
-        flat.extend(gather_hyperparameters(opt, self.hyper_inputs, hyper_cache))
+        flat.extend(
+            gather_hyperparameters(opt, self.hyper_inputs, hyper_cache, binding.unfused_groups)
+        )
         flat.extend(params[i].grad for i in self.grad_inputs)  # type: ignore[misc]
         flat.extend(getattr(binding.aux_objects[o], a) for o, a in self.aux_inputs)
         args = binding.flat_args

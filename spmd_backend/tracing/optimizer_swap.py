@@ -2,24 +2,68 @@
 
 :func:`optimizer_swapped` replaces each param group's parameters, the optimizer state and the
 lifted hyper-parameters by the trace's functional tensors, turns on ``capturable`` (tensor math,
-no ``.item()`` on step counts), traces an unspecified implementation as fused where the kernel
-can run it, and marks the optimizer phase while ``step()`` runs. Each param group is replaced
-by a :class:`~spmd_backend.tracing.tracked.RecordingGroup`, so the keys the step reads become the
-graph's guards. Everything (the user's group dicts included) is restored in a ``finally`` block.
+no ``.item()`` on step counts), pins the implementation
+:func:`~spmd_backend.tracing.hyperparams.traced_implementation` chose, and marks the optimizer
+phase while ``step()`` runs. Each param group is replaced by a
+:class:`~spmd_backend.tracing.tracked.RecordingGroup`, so the keys the step reads become the
+graph's guards. While ``step()`` runs, a lifted value compared with zero (torch's optimizers
+branch on ``if weight_decay != 0`` and ``if momentum > 0``) answers from its real value, and
+the comparison is recorded: the graph then guards on the value's sign. Everything (the user's
+group dicts included) is restored in a ``finally`` block.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterator
+import operator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from spmd_backend.tracing.dispatch import TraceContext
-from spmd_backend.tracing.hyperparams import HyperSlot, install
+from spmd_backend.tracing.hyperparams import HyperSlot, install, slot_value, traced_implementation
 from spmd_backend.tracing.tracked import ReadRecorder, RecordingGroup
+
+_T = torch._C.TensorBase
+#: tensor comparison methods (``t != 0`` arrives as ``TensorBase.ne``) -> the Python operator
+_COMPARISONS = {
+    getattr(_T, name): op
+    for names, op in (
+        (("ne", "__ne__"), operator.ne), (("eq", "__eq__"), operator.eq),
+        (("gt", "__gt__"), operator.gt), (("ge", "__ge__"), operator.ge),
+        (("lt", "__lt__"), operator.lt), (("le", "__le__"), operator.le),
+    )
+    for name in names
+}
+
+
+class _ZeroTests(TorchFunctionMode):
+    """Answer ``lifted <op> 0`` from the lifted value's real value, and report the slot.
+
+    On the trace's tensors such a test is a data-dependent branch. Only a comparison of a
+    lifted tensor (by identity) with the number zero is answered, as the Python bool eager
+    computes; reflected forms (``0 < t``) arrive as ``t.gt(0)``.
+    """
+
+    def __init__(
+        self, values: dict[int, tuple[HyperSlot, float]], report: Callable[[HyperSlot], None]
+    ) -> None:
+        super().__init__()
+        self.values = values
+        self.report = report
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        op = _COMPARISONS.get(func)
+        if op is not None and len(args) == 2 and not kwargs:
+            hit = self.values.get(id(args[0]))
+            other = args[1]
+            if hit is not None and type(other) in (int, float) and other == 0:
+                self.report(hit[0])
+                return op(hit[1], 0)
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -31,6 +75,7 @@ def optimizer_swapped(
     f_hyper: dict[HyperSlot, torch.Tensor],
     ctx: TraceContext,
     recorder: ReadRecorder,
+    unfused_groups: frozenset[int] = frozenset(),
 ) -> Iterator[collections.defaultdict]:
     """Point the optimizer at the lifted tensors for the trace; always restore it."""
     saved_groups = list(opt.param_groups)
@@ -39,10 +84,18 @@ def optimizer_swapped(
     for i, entries in f_state.items():
         new_state[f_params[i]] = dict(entries)
 
+    zero_tests = _ZeroTests(
+        {id(t): (slot, float(slot_value(opt, slot))) for slot, t in f_hyper.items()},
+        recorder.compared_with_zero,
+    )
+    in_step = contextlib.ExitStack()
+
     def pre_hook(*_: object) -> None:
         ctx.in_optimizer = True
+        in_step.enter_context(zero_tests)
 
     def post_hook(*_: object) -> None:
+        in_step.close()
         ctx.in_optimizer = False
 
     handles = [opt.register_step_pre_hook(pre_hook), opt.register_step_post_hook(post_hook)]
@@ -55,47 +108,21 @@ def optimizer_swapped(
                     install(swapped, slot, t)
             if "capturable" in swapped:
                 swapped["capturable"] = True
-            if _can_default_to_fused(type(opt), group):
-                swapped["fused"] = True
+            impl = traced_implementation(opt, group, g in unfused_groups)
+            if "fused" in swapped:
+                swapped["fused"] = impl == "fused"
+            if "foreach" in swapped:
+                swapped["foreach"] = impl == "foreach"
             opt.param_groups[g] = RecordingGroup(
                 swapped, lambda k, _g=g: recorder.read_group_key(_g, k)
             )
         opt.state = new_state
         yield new_state
     finally:
+        in_step.close()
         for h in handles:
             h.remove()
         ctx.in_optimizer = False
         opt.state = saved_state
         opt.param_groups[:] = saved_groups
-
-
-def _fused_supported_devices() -> list[str]:
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-    return _get_fused_kernels_supported_devices()
-
-
-#: optimizer classes whose fused kernel traces (meta kernels: spmd_backend.tracing.fused_optim)
-FUSED_BY_DEFAULT: frozenset[str] = frozenset({"Adam", "AdamW", "SGD"})
-
-
-def _can_default_to_fused(cls: type, group: dict[str, Any]) -> bool:
-    """True when a group left the implementation to torch and the fused kernel can run it.
-
-    torch picks the single-tensor loop on CPU for eager speed; in a compiled graph one fused
-    kernel is both faster and far cheaper to trace, so an unspecified implementation is traced
-    as fused where the kernel supports every parameter and traces (:data:`FUSED_BY_DEFAULT`).
-    Explicit choices are respected.
-    """
-    if cls.__name__ not in FUSED_BY_DEFAULT or not cls.__module__.startswith("torch.optim"):
-        return False
-    if "fused" not in group or group.get("fused") is not None or group.get("foreach") is not None:
-        return False
-    if group.get("differentiable"):
-        return False
-    supported = _fused_supported_devices()
-    return all(
-        torch.is_floating_point(p) and p.device.type in supported for p in group["params"]
-    )
 

@@ -192,7 +192,7 @@ class StepFunction:
         args, kwargs = self._arguments(lifted.args)
         opt_cm = (
             optimizer_swapped(opt, lifted.params, binding.param_index(), lifted.opt_state,
-                              lifted.hyper, self.ctx, self.recorder)
+                              lifted.hyper, self.ctx, self.recorder, binding.unfused_groups)
             if opt is not None
             else contextlib.nullcontext(None)
         )

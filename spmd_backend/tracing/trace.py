@@ -146,7 +146,8 @@ def _annotate_optimizer(gm: fx.GraphModule, binding: StepBinding, layout: StepLa
 
 
 def _guards(binding: StepBinding, recorder: ReadRecorder) -> list[Guard]:
-    """Guards on what the trace read: non-lifted param-group values and argument-dict entries."""
+    """Guards on what the trace read: non-lifted param-group values, the sign of lifted ones
+    the step compared with zero, and argument-dict entries."""
     guards: list[Guard] = []
     opt = binding.optimizer
     lifted = set(binding.hyper_slots)
@@ -164,6 +165,9 @@ def _guards(binding: StepBinding, recorder: ReadRecorder) -> list[Guard]:
                     )
                 elif (g, k, None) not in lifted:
                     guards.append(Guard("group", (g, k), slot_label((g, k, None)), hashable(value)))
+        for slot in sorted(recorder.zero_tests, key=str):
+            guard = Guard("sign", slot, slot_label(slot), None)
+            guards.append(Guard("sign", slot, slot_label(slot), guard.current(binding)))
     paths = binding.arg_paths()
     for j in sorted(recorder.leaves & binding.tracked_leaves):
         guards.append(Guard("arg", (j,), f"argument {paths[j]}", binding.leaf_key(j)))

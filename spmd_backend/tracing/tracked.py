@@ -28,17 +28,22 @@ import torch
 
 
 class ReadRecorder:
-    """Flat-leaf indices the step read, and group keys the optimizer read."""
+    """Flat-leaf indices the step read, group keys the optimizer read, and the lifted
+    hyper-parameter slots it compared with zero."""
 
     def __init__(self) -> None:
         self.leaves: set[int] = set()
         self.group_keys: dict[int, set[str]] = {}
+        self.zero_tests: set[tuple[int, str, int | None]] = set()
 
     def read_leaves(self, indices: list[int]) -> None:
         self.leaves.update(indices)
 
     def read_group_key(self, group: int, key: str) -> None:
         self.group_keys.setdefault(group, set()).add(key)
+
+    def compared_with_zero(self, slot: tuple[int, str, int | None]) -> None:
+        self.zero_tests.add(slot)
 
 
 class ReadTrackingDict(dict):
