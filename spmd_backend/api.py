@@ -237,7 +237,7 @@ class CompiledTrainStep:
             recompile=False,
         )
         self.trace_count += 1
-        after = dataclasses.replace(key, modules=module_state(binding.module))
+        after = dataclasses.replace(key, modules=module_state(binding.modules))
         if after != key:  # the step itself changed what the key holds: it will not replay that
             log.warning(
                 "spmd_backend: tracing %s changed the module it runs (%s); the compiled graph "

@@ -68,6 +68,8 @@ class StepBinding:
     param_names: list[tuple[str, ...]]
     buffers: list[torch.Tensor]
     buffer_names: list[tuple[str, ...]]
+    #: ``(fqn, module)`` of every submodule, once each (``named_modules()`` order)
+    modules: list[tuple[str, nn.Module]]
     flat_args: list[Any]
     args_spec: Any
     args: tuple
@@ -124,8 +126,11 @@ class StepBinding:
         if optimizer is not None:
             check_optimizer_supported(optimizer)
 
-        params, param_names = _unique_named(module.named_parameters(remove_duplicate=False))
-        buffers, buffer_names = _unique_named(module.named_buffers(remove_duplicate=False))
+        # one walk of the module tree serves parameters, buffers and the key's module state
+        # (named_parameters/named_buffers would walk it again each)
+        walk = list(module.named_modules(remove_duplicate=False))
+        params, param_names = _unique_named(_members(walk, "_parameters"))
+        buffers, buffer_names = _unique_named(_members(walk, "_buffers"))
         index = {id(p): i for i, p in enumerate(params)}
         devices = sorted({str(p.device) for p in params})
         if len(devices) > 1:
@@ -159,6 +164,7 @@ class StepBinding:
             param_names=param_names,
             buffers=buffers,
             buffer_names=buffer_names,
+            modules=_unique_modules(walk),
             flat_args=flat,
             args_spec=spec,
             args=args,
@@ -246,7 +252,7 @@ class StepBinding:
                 ("tracked",) if j in self.tracked_leaves else self.leaf_key(j)
                 for j in range(len(self.flat_args))
             ),
-            modules=module_state(self.module),
+            modules=module_state(self.modules),
             aux=tuple(
                 (id(o), plain_attributes(o),
                  tuple(tensor_spec(getattr(o, a)) for a in self.aux_attributes(i)))
@@ -306,6 +312,24 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
             "cannot express. Use a first-order optimizer (SGD, Adam, AdamW, ...) or run LBFGS "
             "eagerly"
         )
+
+
+def _unique_modules(walk: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    seen: set[int] = set()
+    out = []
+    for name, mod in walk:
+        if id(mod) not in seen:
+            seen.add(id(mod))
+            out.append((name, mod))
+    return out
+
+
+def _members(walk: list[tuple[str, nn.Module]], kind: str) -> Any:
+    """``(qualified name, tensor)`` of every module's ``_parameters``/``_buffers``, in
+    ``named_parameters(remove_duplicate=False)`` order."""
+    for prefix, mod in walk:
+        for name, t in getattr(mod, kind).items():
+            yield (f"{prefix}.{name}" if prefix else name), t
 
 
 def _unique_named(named: Any) -> tuple[list[Any], list[tuple[str, ...]]]:

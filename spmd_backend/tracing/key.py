@@ -18,6 +18,7 @@ A compiled step is valid only for the facts its trace depended on. Those facts a
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -92,29 +93,61 @@ def _hook_ids(module: nn.Module) -> tuple:
     )
 
 
+_PLAIN_TYPE_SET = frozenset(_PLAIN_TYPES)
+#: attribute types that are never plain and never hold plain settings (module internals)
+_SKIPPED_TYPES = frozenset({dict, collections.OrderedDict, list, set})
+
+
+def _attributes(obj: Any) -> tuple[tuple, list[tuple[str, Any]]]:
+    """``obj``'s plain attributes, and the other attributes worth a look (objects)."""
+    plain: list[tuple[str, Any]] = []
+    others: list[tuple[str, Any]] = []
+    for k, v in vars(obj).items():
+        t = type(v)
+        if t in _PLAIN_TYPE_SET:
+            plain.append((k, v))
+        elif t in _SKIPPED_TYPES:
+            continue
+        elif is_plain(v):
+            plain.append((k, v))
+        else:
+            others.append((k, v))
+    return tuple(plain), others
+
+
 def plain_attributes(obj: Any) -> tuple:
-    return tuple((k, v) for k, v in vars(obj).items() if is_plain(v))
+    return _attributes(obj)[0]
 
 
 def _is_attribute_object(value: Any) -> bool:
     """A non-module object hanging off a module whose plain attributes a forward may read (a
     transformers config, a dataclass of options)."""
-    if isinstance(value, (nn.Module, torch.Tensor, dict, list, set, tuple)) or callable(value):
+    if isinstance(value, (nn.Module, torch.Tensor, tuple, type)) or callable(value):
         return False
-    return hasattr(value, "__dict__") and not isinstance(value, type)
+    try:
+        vars(value)
+    except TypeError:
+        return False
+    return True
 
 
-def module_state(root: nn.Module) -> tuple:
-    """Per module: (fqn, plain attributes including ``training``, hook ids); then the plain
-    attributes of the objects modules hold (a config), each once; then the global hooks."""
+def module_state(modules: Sequence[tuple[str, nn.Module]]) -> tuple:
+    """Per module of ``modules`` (``named_modules()`` of the root): (fqn, plain attributes
+    including ``training``, hook ids); then the plain attributes of the objects modules hold
+    (a config), each once; then the global hooks."""
     from torch.nn.modules import module as module_mod
 
     rows = []
     objects: dict[int, tuple[str, Any]] = {}
-    for name, mod in root.named_modules():
-        rows.append((name, plain_attributes(mod), _hook_ids(mod)))
-        for attr, value in vars(mod).items():
-            if not is_plain(value) and _is_attribute_object(value) and id(value) not in objects:
+    seen: set[int] = set()
+    for name, mod in modules:
+        plain, others = _attributes(mod)
+        rows.append((name, plain, _hook_ids(mod)))
+        for attr, value in others:
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if _is_attribute_object(value):
                 objects[id(value)] = (f"{name}.{attr}" if name else attr, value)
     held = tuple((label, plain_attributes(obj)) for label, obj in objects.values())
     global_hooks = tuple(

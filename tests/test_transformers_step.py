@@ -1,0 +1,85 @@
+"""A transformers model in a compiled step as users write it (one process, fake process group):
+returning the ``ModelOutput``, a ragged last batch with ``dynamic_batch``, switching gradient
+checkpointing on between calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import spmd_backend
+
+transformers = pytest.importorskip("transformers")
+
+
+def gpt2():
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+                                     n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def lm_step(model, optim, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return out
+
+
+def test_returning_the_model_output(fake_pg, caplog):
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = spmd_backend.compile()(lm_step)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for _ in range(2):
+            out = compiled(model, opt, torch.randint(0, 96, (4, 16)))
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert out.loss.dim() == 0 and out.logits.shape == (4, 16, 96)
+    assert out.past_key_values is None
+    assert any("DynamicCache at output['past_key_values']" in r.getMessage() for r in caplog.records)
+
+
+def test_ragged_batch_with_a_model_that_specialises_the_batch_dim(fake_pg, caplog):
+    model = gpt2()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    compiled = spmd_backend.compile(dynamic_batch=True)(lm_step)
+    gen = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for size in (4, 4, 3, 4, 3):  # the 3s must neither crash nor reuse the size-4 graph
+            ids = torch.randint(0, 96, (size, 16), generator=gen)
+            loss = compiled(model, opt, ids).loss
+            torch.testing.assert_close(loss, lm_step(twin, twin_opt, ids).loss)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("dim 0 of args[2] was marked dynamic, but the step specialised it to 4 at" in m
+               for m in messages), messages
+    assert compiled.cache_size() == 2  # one graph per size, each guarded on its size
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_gradient_checkpointing_switched_on_retraces(fake_pg, caplog):
+    model = gpt2()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(lm_step)
+    ids = torch.randint(0, 96, (2, 16))
+    compiled(model, opt, ids)
+    lm_step(twin, twin_opt, ids)
+    for m in (model, twin):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        loss = compiled(model, opt, ids).loss
+    torch.testing.assert_close(loss, lm_step(twin, twin_opt, ids).loss)
+    assert any("retracing lm_step: attribute" in r.getMessage() and "gradient_checkpointing" in
+               r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    graph = compiled.graph.traced.gm.graph
+    assert any(str(n.meta.get("spmd_phase")) == "recompute" for n in graph.nodes)
