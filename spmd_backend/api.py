@@ -30,17 +30,13 @@ from typing import Any
 
 import torch.fx as fx
 
+from spmd_backend import pipeline
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import bucket_params
 from spmd_backend.graph.utils import emit_graph_artifact
 from spmd_backend.parallel.consistency import check_consistency, graph_signature
-from spmd_backend.parallel.data_parallel import (
-    DataParallel,
-    ExpansionReport,
-    expand_data_parallel,
-    sync_module_states,
-)
+from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
 from spmd_backend.runtime import RollbackPlan, rollback_plan, run_step
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
@@ -123,10 +119,10 @@ class CompiledTrainStep:
         self._step_id = next(_STEP_IDS)
         self.gm_transformation = gm_transformation
         self.parallel_mode = parallel_mode
+        self._config = pipeline.PipelineConfig(parallel=parallel_mode)
         self.module_override = list(module_override)
         self._cache: dict[StepKey, list[CompiledGraph]] = {}
         self._last: CompiledGraph | None = None
-        self._synced_modules: set[int] = set()
         #: optimizer id -> param groups traced single-tensor instead of fused (see _unfuse)
         self._unfused: dict[int, frozenset[int]] = {}
         self.trace_count = 0
@@ -245,13 +241,11 @@ class CompiledTrainStep:
                 key.explain(after, binding),
             )
         gm = traced.gm
-        expansion = expand_data_parallel(gm, mode)
+        expansion = pipeline.expand(gm, self._config)
         emit_graph_artifact(f"spmd_step_{self._step_id}_trace_{self.trace_count}", gm.graph)
         if mode.check_consistency:  # before any collective, the initial broadcast included
             self._check_consistency(traced, mode)
-        if mode.sync_module_states and id(binding.module) not in self._synced_modules:
-            sync_module_states(binding.module, mode)
-            self._synced_modules.add(id(binding.module))
+        pipeline.sync([*binding.params, *binding.buffers], self._config)
         bootstrap = traced.layout.creates_state
         runner: Callable[..., Any] = gm
         if not bootstrap:

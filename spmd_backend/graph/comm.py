@@ -20,6 +20,9 @@ from spmd_backend.graph.utils import node_inputs, node_order, tensor_nbytes
 
 aten = torch.ops.aten
 
+#: DDP's default gradient bucket cap (MiB); the one place the backend writes it
+DEFAULT_BUCKET_SIZE_MB = 25.0
+
 #: ops that only repackage a collective's input or output (bucketing's flatten/cat/split/view)
 PACKING_TARGETS = frozenset(
     {

@@ -232,19 +232,3 @@ def expand_data_parallel(
     )
     log.debug("data-parallel expansion: %s", report)
     return report
-
-
-def sync_module_states(module: torch.nn.Module, mode: DataParallel) -> None:
-    """Broadcast parameters and buffers from the group's first rank (DDP's constructor)."""
-    pg = mode.process_group()
-    if dist.get_world_size(pg) == 1:
-        return
-    src = mode.src_rank()
-    seen: set[int] = set()
-    with torch.no_grad():
-        tensors = [*module.parameters(), *module.buffers()]
-        for t in tensors:
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            dist.broadcast(t.detach(), src=src, group=pg)

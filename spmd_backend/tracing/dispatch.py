@@ -24,7 +24,6 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmd_backend.graph.meta import Phase, annotate
-from spmd_backend.graph.ops import SCALAR_POW_TARGETS
 from spmd_backend.tracing.fused_optim import INPLACE_TO_FUNCTIONAL, functional_fused_step
 
 
@@ -59,23 +58,6 @@ class TraceContext:
 
 
 
-def _upcast_steps(exponent: object) -> object:
-    """Step counts as float64, so ``1 - beta2 ** step`` keeps eager's double precision.
-
-    Eager (non-capturable) optimizers compute bias corrections on Python doubles; the tensor
-    form computes them on the float32 step tensor, where ``1 - 0.999 ** 1`` loses five digits
-    (a 1e-5 relative error in Adam's first updates). Only 0-dim low-precision exponents are
-    upcast; the result is rounded back to the parameter dtype where it meets the parameters.
-    """
-    if isinstance(exponent, torch.Tensor):
-        if exponent.dim() == 0 and exponent.is_floating_point() and exponent.dtype != torch.float64:
-            return exponent.to(torch.float64)
-        return exponent
-    if isinstance(exponent, (list, tuple)):
-        return [_upcast_steps(e) for e in exponent]
-    return exponent
-
-
 class TraceMode(TorchDispatchMode):
     """Rewrite untraceable ops and annotate the nodes each op creates."""
 
@@ -96,8 +78,6 @@ class TraceMode(TorchDispatchMode):
         if func in INPLACE_TO_FUNCTIONAL:
             functional_fused_step(func, args, kwargs)
             out = None
-        elif self.ctx.in_optimizer and func in SCALAR_POW_TARGETS:
-            out = func(args[0], _upcast_steps(args[1]), **kwargs)
         else:
             out = func(*args, **kwargs)
         if graph is not None and last is not None:

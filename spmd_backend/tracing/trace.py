@@ -37,6 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from spmd_backend.errors import SpmdTraceError, SpmdUsageError
 from spmd_backend.graph.utils import lazy_graph_modules
 from spmd_backend.tracing.annotate import ModuleAnnotator, annotate_optimizer_fqns
+from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.dispatch import TraceContext
 from spmd_backend.tracing.errors import trace_error
@@ -127,6 +128,7 @@ def trace_train_step(
             f"of {type(binding.module).__name__} that requires grad"
         )
     names = finish_graph(gm, binding, layout)
+    upcast_bias_corrections(gm.graph)
     _annotate_optimizer(gm, binding, layout)
     if recompile:
         gm.recompile()

@@ -1,0 +1,80 @@
+"""Never unsynchronized: every parameter gradient must pass a collective.
+
+When Dynamo cannot capture a whole step (a graph break inside the model), gradients come from
+several graphs, and a gradient computed by an eagerly run region would reach ``.grad`` without a
+collective; when Dynamo gives up on a frame altogether (its recompile limit) the whole step runs
+eagerly. Gradients computed inside a compiled graph never trigger the hook (no AccumulateGrad
+runs), so it costs nothing in whole-step mode. :func:`watch` gives each parameter a post-accumulate-grad hook whose state (how
+many reduced gradients are pending, whether any was reduced since the last optimizer step)
+lives in the hook object itself, found again through the parameter's hook dict: no process-wide
+table. A compiled backward graph that reduced a parameter's gradient calls
+:func:`mark_reduced`; a gradient accumulated without a pending reduction raises
+:class:`~spmd_backend.errors.SpmdUsageError` during ``backward()``, and
+:func:`check_before_step` raises before an optimizer-step graph uses a gradient that no compiled
+backward reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from spmd_backend.errors import SpmdUsageError
+
+
+class _Audit:
+    """The hook: counts reduced gradients pending accumulation into one parameter."""
+
+    def __init__(self, fqn: str) -> None:
+        self.fqn = fqn
+        self.pending = 0
+        self.reduced_since_step = False
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if self.pending > 0:
+            self.pending -= 1
+            return
+        raise SpmdUsageError(
+            f'backend="spmd": the gradient of parameter {self.fqn!r} was computed outside the '
+            "spmd-compiled graphs (a graph break inside the model ran part of it eagerly), so it "
+            "would not be synchronized across ranks; remove the graph break "
+            "(torch._dynamo.explain shows it) or compile the model with fullgraph=True"
+        )
+
+
+def _audit_of(param: torch.Tensor) -> _Audit | None:
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    return next((h for h in hooks.values() if isinstance(h, _Audit)), None)
+
+
+def watch(param: torch.Tensor, fqn: str) -> None:
+    """Audit ``param``'s gradients from now on (idempotent)."""
+    if param.requires_grad and _audit_of(param) is None:
+        param.register_post_accumulate_grad_hook(_Audit(fqn))
+
+
+def mark_reduced(params: Iterable[torch.Tensor]) -> None:
+    """A compiled backward just produced reduced gradients for ``params``."""
+    for p in params:
+        audit = _audit_of(p)
+        if audit is not None:
+            audit.pending += 1
+            audit.reduced_since_step = True
+
+
+def check_before_step(params: Iterable[torch.Tensor]) -> None:
+    """Raise if a parameter about to be stepped holds a gradient nothing reduced."""
+    for i, p in enumerate(params):
+        if p.grad is None:
+            continue
+        audit = _audit_of(p)  # None: no compiled graph ever used this parameter
+        if audit is None or not audit.reduced_since_step:
+            name = audit.fqn if audit is not None else "used only outside compiled graphs"
+            raise SpmdUsageError(
+                f'backend="spmd": optimizer parameter #{i} ({name}, shape {list(p.shape)}) '
+                "has a gradient that no spmd-compiled backward reduced (a graph break inside "
+                "the model ran it eagerly?); it would not be synchronized across ranks. Remove "
+                "the graph break (torch._dynamo.explain shows it)"
+            )
+        audit.reduced_since_step = False

@@ -1,0 +1,245 @@
+"""Graph surgery for the Dynamo door: what Dynamo's and AOTAutograd's graphs hold, and the
+markers that hand them to the one pipeline.
+
+Dynamo gives the backend a torch-level ``fx.GraphModule`` whose placeholders carry a
+``grapharg`` (the live example object and its structured ``Source``). Classification uses only
+identities and ``Source`` *types* (never the printed source names):
+
+* a parameter is an ``nn.Parameter`` example; its FQN is read off the ``Source`` chain
+  (``_modules[...]`` keys and the ``_parameters`` key);
+* a buffer is reached through a module's ``_buffers``; optimizer state through an
+  ``OptimizerSource``; a gradient is a ``.grad`` (``GradSource``, or an ``AttrSource`` whose
+  attribute is ``grad``).
+
+Whole-step graphs (``loss.backward()`` traced as ``torch.autograd.grad``) get a ``grad_ready``
+marker on each gradient (:func:`mark_gradients`) and ``buffer_sync`` markers on the buffers
+(:func:`mark_buffers`) before AOTAutograd turns them into one functional aten graph; there
+:func:`hoist_markers` moves each marker right after the node that computes its gradient (where
+the compile door's tracer puts it) and :func:`annotate_phases` labels every node. Per-graph
+(fallback) backward graphs get their markers from AOTAutograd's output descriptors
+(:func:`mark_backward_outputs`).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from spmd_backend.graph import ops
+from spmd_backend.graph.meta import INPUT_KIND_KEY, Phase, annotate, annotated, owner_of
+from spmd_backend.graph.utils import get_output
+from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_READY
+
+
+# ---------------------------------------------------------------------------- inputs
+@dataclass
+class DynamoInputs:
+    """The placeholders of a Dynamo graph that are module or optimizer state, by position."""
+
+    params: dict[int, nn.Parameter] = field(default_factory=dict)
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    kinds: dict[int, str] = field(default_factory=dict)
+    fqns: dict[int, str] = field(default_factory=dict)
+
+    #: parameters the graph holds as attributes (an optimizer-step graph's static parameters)
+    attributes: list[nn.Parameter] = field(default_factory=list)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [*self.params.values(), *self.buffers.values()]
+
+
+def _chain(source: Any) -> list[Any]:
+    out = []
+    while source is not None:
+        out.append(source)
+        source = getattr(source, "base", None)
+    return out
+
+
+#: module internals on a Source chain that are not part of an FQN
+_INTERNAL_ATTRS = frozenset({"_modules", "_parameters", "_buffers"})
+
+
+def source_fqn(source: Any) -> str:
+    """``model._modules['fc1']._parameters['weight']`` -> ``fc1.weight``, from Source objects
+    (the local variable at the root is not part of the FQN)."""
+    from torch._dynamo.source import AttrSource, DictGetItemSource, GetItemSource
+
+    parts: list[str] = []
+    for src in _chain(source):
+        if isinstance(src, AttrSource):
+            if src.member not in _INTERNAL_ATTRS:
+                parts.append(src.member)
+        elif isinstance(src, (DictGetItemSource, GetItemSource)):
+            parts.append(str(src.index))
+    return ".".join(reversed(parts))
+
+
+def _kind(example: Any, source: Any) -> str:
+    from torch._dynamo.source import AttrSource, GradSource, OptimizerSource
+
+    if isinstance(example, nn.Parameter):
+        return "param"
+    chain = _chain(source)
+    if chain and (isinstance(chain[0], GradSource) or (
+        isinstance(chain[0], AttrSource) and chain[0].member == "grad"
+    )):
+        return "grad"
+    if any(isinstance(s, OptimizerSource) for s in chain):
+        return "state"
+    if any(isinstance(s, AttrSource) and s.member == "_buffers" for s in chain):
+        return "buffer"
+    return "arg"
+
+
+def classify_inputs(gm: fx.GraphModule) -> DynamoInputs:
+    """Parameters, buffers and the kind of every placeholder of a Dynamo graph."""
+    found = DynamoInputs()
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        grapharg = node.meta.get("grapharg")
+        example = getattr(grapharg, "example", None)
+        source = getattr(grapharg, "source", None)
+        kind = _kind(example, source) if isinstance(example, torch.Tensor) else "arg"
+        found.kinds[i] = kind
+        if kind == "param":
+            found.params[i] = example
+            found.fqns[i] = source_fqn(source)
+        elif kind == "buffer":
+            found.buffers[i] = example
+            found.fqns[i] = source_fqn(source)
+    found.attributes = [p for p in gm.parameters() if isinstance(p, nn.Parameter)]
+    return found
+
+
+# ---------------------------------------------------------------------------- whole-step
+def autograd_grad_calls(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is torch.autograd.grad]
+
+
+def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> int:
+    """``grad_ready(g, fqn)`` after each ``getitem(torch.autograd.grad(...), i)`` whose input
+    ``i`` is a parameter (an unused parameter's gradient is None: no marker)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    position = {p: i for i, p in enumerate(placeholders)}
+    count = 0
+    for call in autograd_grad_calls(gm.graph):
+        wrt = call.args[1] if len(call.args) > 1 else call.kwargs.get("inputs")
+        for user in list(call.users):
+            if user.target is not operator.getitem or user.meta.get("example_value") is None:
+                continue
+            i = position.get(wrt[user.args[1]])
+            if i is None or i not in inputs.params:
+                continue
+            with gm.graph.inserting_after(user):
+                marker = gm.graph.call_function(GRAD_READY, (user, inputs.fqns[i]))
+            user.replace_all_uses_with(marker, delete_user_cb=lambda n, m=marker: n is not m)
+            marker.meta["example_value"] = user.meta["example_value"]
+            count += 1
+    gm.graph.lint()
+    gm.recompile()
+    return count
+
+
+def mark_buffers(gm: fx.GraphModule, inputs: DynamoInputs) -> int:
+    """``buf.copy_(buffer_sync(buf, fqn))`` at the start for every buffer the graph reads (DDP's
+    ``broadcast_buffers``; the data-parallel expansion turns it into a broadcast)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    count = 0
+    for i in inputs.buffers:
+        buf = placeholders[i]
+        if not buf.users or anchor is None:
+            continue
+        with gm.graph.inserting_after(anchor):
+            synced = gm.graph.call_function(BUFFER_SYNC, (buf, inputs.fqns[i]))
+        with gm.graph.inserting_after(synced):
+            anchor = gm.graph.call_function(torch.Tensor.copy_, (buf, synced))
+        for n in (synced, anchor):
+            if "example_value" in buf.meta:
+                n.meta["example_value"] = buf.meta["example_value"]
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def hoist_markers(graph: fx.Graph) -> None:
+    """Move each gradient marker right after the node that computes its gradient."""
+    for marker in [n for n in graph.nodes if ops.is_grad_marker(n)]:
+        producer = marker.args[0]
+        if isinstance(producer, fx.Node):
+            producer.append(marker)
+
+
+def annotate_phases(graph: fx.Graph, kinds: dict[int, str] | None = None,
+                    default: Phase = Phase.FORWARD, *, split_optimizer: bool = False) -> None:
+    """Phases of an AOTAutograd graph. Collectives and waits are ``comm``, gradient markers
+    ``backward``, every other node ``default``; with ``split_optimizer`` (a whole-step graph)
+    nodes AOT flags ``autograd_backward`` are ``backward``, nodes after the last backward node
+    the optimizer's and nodes between two backward nodes recompute. Placeholders get their kind
+    (``param``, ``buffer``...) from ``kinds``; markers the owning module's FQN."""
+    nodes = list(graph.nodes)
+    backward = [i for i, n in enumerate(nodes) if split_optimizer and (
+        n.meta.get("autograd_backward") or ops.is_grad_marker(n))]
+    first, last = (backward[0], backward[-1]) if backward else (len(nodes), -1)
+    placeholder_index = 0
+    for i, node in enumerate(nodes):
+        if node.op == "placeholder":
+            annotate(node, fqn=None, phase=Phase.INPUT)
+            if kinds is not None:
+                node.meta[INPUT_KIND_KEY] = kinds.get(placeholder_index, "arg")
+            placeholder_index += 1
+        elif node.op == "output":
+            annotate(node, fqn=None, phase=Phase.OUTPUT)
+        elif annotated(node):
+            continue
+        elif ops.is_grad_marker(node):
+            annotate(node, fqn=owner_of(str(node.args[1])), phase=Phase.BACKWARD)
+        elif ops.is_collective(node) or ops.is_wait(node):
+            annotate(node, fqn=None, phase=Phase.COMM)
+        elif split_optimizer and node.meta.get("autograd_backward"):
+            annotate(node, fqn=None, phase=Phase.BACKWARD)
+        elif i > last and backward:
+            annotate(node, fqn=None, phase=Phase.OPTIMIZER)
+        elif first < i < last:
+            annotate(node, fqn=None, phase=Phase.RECOMPUTE)
+        else:
+            annotate(node, fqn=None, phase=default)
+
+
+# ---------------------------------------------------------------------------- per graph
+def mark_backward_outputs(graph: fx.Graph, params: dict[int, str]) -> list[int]:
+    """In an AOT backward graph, wrap every output that is the gradient of a parameter input
+    (descriptor ``GradAOTOutput(grad_of=PlainAOTInput(i))``) in ``grad_ready``; returns the
+    parameter input positions marked. ``params`` maps input positions to FQNs."""
+    from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTInput
+
+    out = get_output(graph)
+    descs = out.meta.get("desc") or ()
+    values = list(out.args[0])
+    marked: list[int] = []
+    for pos, (value, desc) in enumerate(zip(values, descs)):
+        if not isinstance(value, fx.Node) or not isinstance(desc, GradAOTOutput):
+            continue
+        base = desc.grad_of
+        if not isinstance(base, PlainAOTInput) or base.idx not in params:
+            continue
+        with graph.inserting_after(value):
+            marker = graph.call_function(GRAD_READY, (value, params[base.idx]))
+        if "val" in value.meta:
+            marker.meta["val"] = value.meta["val"]
+        values[pos] = marker
+        marked.append(base.idx)
+    out.args = (tuple(values), *out.args[1:])
+    graph.lint()
+    return marked
+
+
+def has_descriptors(graph: fx.Graph) -> bool:
+    return get_output(graph).meta.get("desc") is not None

@@ -1,0 +1,238 @@
+"""Whole-step capture through Dynamo: scoped, version-gated adjustments of torch 2.13 internals.
+
+Stock ``torch.compile`` of ``step(model, optim, batch)`` breaks the frame at ``loss.backward()``,
+inside ``optimizer.step()`` (an explicit ``graph_break()``, ``_init_group`` run eagerly and then
+refused for the pending gradients, ``disable()`` wrappers), at ``zero_grad`` and at an LR
+scheduler's wrapper around ``step`` (see ../shared/TORCH_2_13_NOTES.md, "Dynamo whole-step
+capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step_scope`:
+
+* sets ``torch._dynamo.config.trace_autograd_ops`` (``loss.backward()`` becomes
+  ``torch.autograd.grad`` in the graph);
+* makes the optimizer wrapper's ``graph_break()`` a no-op, inlines the ``disable()``-wrapped
+  ``zero_grad`` and ``_init_group`` instead of skipping them, and traces ``_init_group`` rather
+  than running it eagerly on the real (not yet updated) ``.grad``;
+* traces through an LR scheduler's wrapper of ``optimizer.step`` (doing what it does: setting
+  ``_opt_called``);
+* lets ``return loss`` return a detached loss instead of restarting the frame (the compile door
+  returns plain tensors too);
+* turns a ``loss.backward()`` whose loss came from an earlier graph into a graph break (torch
+  2.13 silently skips such a backward under ``trace_autograd_ops``: no gradients, no error).
+
+Scoping: :func:`install` wraps ``torch._dynamo.convert_frame.compile_frame`` (the function
+Dynamo calls for every frame, resume frames included) with a pass-through that enters the scope
+only when the frame's backend is marked by :func:`mark_whole_step`. Dynamo holds its compile
+lock there, so no other frame is traced meanwhile, and every patched method and config is
+restored when the frame is done: a stock ``torch.compile(fn)`` or ``backend="eager"`` in the
+same process behaves exactly as without this package (tests/test_dynamo_capture.py).
+On another torch version nothing is installed and the backend runs in per-graph mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: the torch versions whose internals this module adjusts
+SUPPORTED = torch.__version__.startswith("2.13.")
+_MARK = "_spmd_whole_step"
+_state = {"installed": False, "active": 0}
+
+
+def mark_whole_step(backend: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a backend callable: frames compiled for it are traced with the scope."""
+    setattr(backend, _MARK, True)
+    return backend
+
+
+def _is_whole_step_backend(compiler_fn: Any) -> bool:
+    from torch._dynamo.eval_frame import innermost_backend
+
+    try:
+        fn = innermost_backend(compiler_fn)
+    except Exception:  # noqa: BLE001 - anything unexpected: not ours
+        return False
+    fn = getattr(fn, "compiler_fn", fn)  # torch.compile's _TorchCompileWrapper
+    return bool(getattr(fn, _MARK, False))
+
+
+def _original(fn: Any) -> Any:
+    """Undo ``torch._dynamo.disable`` and ``torch._disable_dynamo`` wrappers."""
+    disable_inner = torch._disable_dynamo(lambda: None).__code__
+    for _ in range(8):
+        if getattr(fn, "_torchdynamo_orig_callable", None) is not None:
+            fn = fn._torchdynamo_orig_callable
+        elif getattr(fn, "__code__", None) is disable_inner and hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        else:
+            break
+    return fn
+
+
+def _optimizer_functions() -> set[Any]:
+    """The disabled optimizer functions the scope lets Dynamo trace."""
+    out = {_original(torch.optim.Optimizer.zero_grad)}
+    for cls in vars(torch.optim).values():
+        if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer):
+            init_group = cls.__dict__.get("_init_group")
+            if init_group is not None:
+                out.add(_original(init_group))
+    return out
+
+
+def _example(grapharg: Any) -> Any:
+    try:
+        return grapharg.example
+    except Exception:  # noqa: BLE001 - a released example is not a live activation
+        return None
+
+
+def _scheduler_wrapper_code() -> Any:
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    return opt.step.__code__
+
+
+def _patches() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, replacement) for every adjustment of the scope."""
+    from torch._dynamo.exc import unimplemented
+    from torch._dynamo.output_graph import OutputGraph, collect_reachable_grad_fns
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.variables.constant import ConstantVariable
+    from torch._dynamo.variables.functions import SkipFunctionVariable, UserFunctionVariable
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+    from torch._dynamo.variables.tensor import TensorVariable
+    from torch.optim import optimizer as optimizer_module
+
+    traceable = _optimizer_functions()
+    disable_inner = torch._disable_dynamo(lambda: None).__code__
+    use_grad_code = optimizer_module._use_grad_for_differentiable(lambda self: None).__code__
+    scheduler_code = _scheduler_wrapper_code()
+    inline_orig = InstructionTranslatorBase.inline_user_function_return
+    skip_call_orig = SkipFunctionVariable.call_function
+    opt_call_orig = OptimizerVariable.call_method
+    validate_orig = OutputGraph._validate_outputs_safe_for_autograd_nodes
+    backward_orig = TensorVariable.method_backward
+
+    def inline_user_function_return(self: Any, fn: Any, args: Any, kwargs: Any, *a: Any, **k: Any) -> Any:
+        if isinstance(fn, UserFunctionVariable) and fn.get_code() is disable_inner:
+            target = _original(fn.get_function())
+            if target in traceable:  # zero_grad's @torch._disable_dynamo
+                fn = VariableTracker.build(self, target)
+        return inline_orig(self, fn, args, kwargs, *a, **k)
+
+    def skip_call(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        value = self.value
+        if getattr(value, "__code__", None) is scheduler_code and self.source is not None:
+            # an LR scheduler's wrapper around optimizer.step: do what it does, traced
+            cells = dict(zip(value.__code__.co_freevars, value.__closure__ or ()))
+            opt = VariableTracker.build(tx, cells["opt_ref"].cell_contents(), self.source.base)
+            tx.output.side_effects.store_attr(opt, "_opt_called", ConstantVariable.create(True))
+            step = VariableTracker.build(tx, value.__wrapped__)
+            return tx.inline_user_function_return(step, [opt, *args], kwargs)
+        if value is torch._dynamo.graph_break and tx.f_code is use_grad_code:
+            return ConstantVariable.create(None)
+        target = _original(value)
+        if target is not value and target in traceable:
+            return tx.inline_user_function_return(VariableTracker.build(tx, target), list(args), kwargs)
+        return skip_call_orig(self, tx, args, kwargs)
+
+    def opt_call(self: Any, tx: Any, name: str, args: Any, kwargs: Any) -> Any:
+        if name == "_init_group":  # trace it: run eagerly it would read the real .grad
+            target = VariableTracker.build(tx, _original(type(self.value)._init_group))
+            return tx.inline_user_function_return(target, [self, *args], kwargs)
+        return opt_call_orig(self, tx, name, args, kwargs)
+
+    def validate(self: Any, rv: list[Any], tx: Any) -> None:
+        consumed = self.autograd_grad_consumed_grad_fns
+        for i, var in enumerate(rv):  # `return loss` after loss.backward(): return it detached
+            if consumed and isinstance(var, TensorVariable) and var.requires_grad:
+                fake = var.as_proxy().node.meta.get("example_value")
+                if fake is not None and fake.grad_fn is not None and (
+                    collect_reachable_grad_fns([(fake, None)]) & consumed
+                ):
+                    rv[i] = var.call_method(tx, "detach", [], {})
+        return validate_orig(self, rv, tx)
+
+    def method_backward(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+        inputs = kwargs.get("inputs", args[3] if len(args) > 3 else None)
+        if inputs is None and self.has_grad_fn:
+            leaves = self._collect_backward_inputs(itertools.chain(
+                tx.output.leaf_var_creation_order, tx.output.input_source_to_var.values()
+            ))
+            # torch 2.13 differentiates only w.r.t. this frame's leaves: a loss that also
+            # depends on an earlier graph's or an eager region's output (a graph break inside
+            # the model) would silently get no gradients there, or none at all
+            upstream = [
+                ex for ex in (_example(a) for a in tx.output.graphargs)
+                if isinstance(ex, torch.Tensor) and ex.requires_grad and ex.grad_fn is not None
+            ]
+            if not leaves or upstream:
+                unimplemented(
+                    gb_type="spmd_backend: backward of a loss computed partly outside this graph",
+                    context=str(self),
+                    explanation="the loss depends on tensors produced before a graph break; "
+                    "backward runs eagerly through every graph instead",
+                    hints=["Remove the graph break inside the model (torch._dynamo.explain)."],
+                )
+        return backward_orig(self, tx, *args, **kwargs)
+
+    return [
+        (InstructionTranslatorBase, "inline_user_function_return", inline_user_function_return),
+        (SkipFunctionVariable, "call_function", skip_call),
+        (OptimizerVariable, "call_method", opt_call),
+        (OutputGraph, "_validate_outputs_safe_for_autograd_nodes", validate),
+        (TensorVariable, "method_backward", method_backward),
+    ]
+
+
+@contextlib.contextmanager
+def whole_step_scope() -> Iterator[None]:
+    """The adjustments, active while one frame is traced and compiled for our backend."""
+    if _state["active"]:
+        yield
+        return
+    patches = _patches()
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    _state["active"] += 1
+    try:
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            for owner, name, fn in patches:
+                setattr(owner, name, fn)
+            yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+        _state["active"] -= 1
+
+
+def install() -> bool:
+    """Install the pass-through frame hook once; False (nothing installed) off torch 2.13."""
+    if not SUPPORTED:
+        return False
+    if _state["installed"]:
+        return True
+    import torch._dynamo.convert_frame as convert_frame
+
+    original = convert_frame.compile_frame
+
+    @functools.wraps(original)
+    def compile_frame(code: Any, globals: Any, locals: Any, builtins: Any, closure: Any,
+                      compiler_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _is_whole_step_backend(compiler_fn):
+            return original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
+        with whole_step_scope():
+            return original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
+
+    convert_frame.compile_frame = compile_frame
+    _state["installed"] = True
+    return True
