@@ -22,8 +22,7 @@ import torch.fx as fx
 from spmd_backend.graph import ops
 from spmd_backend.graph.comm import CommBlock, get_all_comm_blocks
 from spmd_backend.graph.utils import node_order
-from spmd_backend.pass_manager import graph_optimization_pass
-from spmd_backend.passes.comm_fusion import comm_fusion_with_concat
+from spmd_backend.pass_manager import declare_pass
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,6 @@ def _wait_late(graph: fx.Graph, block: CommBlock) -> None:
         first.prepend(node)
 
 
-@graph_optimization_pass(prerequisites=[comm_fusion_with_concat], apply_after=[])
 def schedule_comm_wait(gm: object) -> None:
     """Move collectives early and waits late (see the module docstring)."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
@@ -70,3 +68,6 @@ def schedule_comm_wait(gm: object) -> None:
     for block in get_all_comm_blocks(graph, ops.is_collective):
         _wait_late(graph, block)
     log.info("schedule_comm_wait: scheduled %d collective(s)", len(blocks))
+
+
+declare_pass(schedule_comm_wait, prerequisites=["comm_fusion_with_concat"])
