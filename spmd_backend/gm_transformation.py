@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from spmd_backend.graph.utils import dump_graphs_to_files
 from spmd_backend.iter_graph_module import IterGraphModule
+from spmd_backend.lowering import lower_to_inductor
 from spmd_backend.pass_manager import PassManager, PassRecord
 from spmd_backend.passes import default_pipeline
 
@@ -64,7 +65,7 @@ class GraphModuleTransformation:
             self.dump_folder = tempfile.mkdtemp(prefix="spmd_graphs_")
             log.warning("spmd_backend: dumping graphs to %s", self.dump_folder)
             dump_graphs_to_files({"traced": gm.graph}, self.dump_folder)
-        igm = IterGraphModule(gm, enable_inductor=self.enable_inductor)
+        igm = IterGraphModule(gm, lower=lower_to_inductor if self.enable_inductor else None)
         if self.enable_graph_optimization:
             manager = PassManager(self.pipeline(), skip=self.skip_passes, dump_dir=self.dump_folder)
             self.pass_records = manager.run(igm)
