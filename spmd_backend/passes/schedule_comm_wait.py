@@ -1,11 +1,14 @@
 """schedule_comm_wait: issue collectives as early, and wait for them as late, as possible.
 
-Requires: comm_fusion_with_concat has run (the pass works on any collective blocks, but the
-ordering contract is the upstream one). Guarantees: each collective (with its input packing) is
-moved to right after the last node it depends on, but never before an earlier collective of the
-same process group, so the order of collectives is unchanged; each wait (with its
-split/getitem/view tail) is moved to right before the first node that consumes the
-collective's result. Compute between the two overlaps the communication.
+Requires: nothing beyond collective blocks (collective -> wait, fused or not): called directly it
+works on any graph, and a graph without collectives is a logged no-op. Declared with the
+prerequisite ``comm_fusion_with_concat`` (the upstream order: bucket first, then schedule the
+buckets; scheduling first is valid but bucketing then waits where it builds each bucket).
+Guarantees: each collective (with its input packing) is moved to right after the last node it
+depends on, but never before an earlier collective of the same process group, so the order of
+collectives is unchanged; each wait (with its split/getitem/view tail) is moved to right before
+the first node that consumes the collective's result. Compute between the two overlaps the
+communication.
 
 ::
 

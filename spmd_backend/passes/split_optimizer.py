@@ -15,6 +15,7 @@ The pass always has a pattern: the caller names the block, as the upstream API d
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch.fx as fx
@@ -23,12 +24,20 @@ from spmd_backend.graph.optim import OptimizerBlock
 from spmd_backend.graph.optim_surgery import split_optimizer_block
 from spmd_backend.pass_manager import declare_pass
 
+log = logging.getLogger(__name__)
+
 
 def split_fused_optimizer(
     gm: object, orig_optim_block: OptimizerBlock, split_gradients: Iterable[fx.Node]
 ) -> tuple[OptimizerBlock, OptimizerBlock | None]:
     """Split ``orig_optim_block`` over ``split_gradients`` (see the module docstring)."""
-    return split_optimizer_block(gm, orig_optim_block, split_gradients)
+    selected, rest = split_optimizer_block(gm, orig_optim_block, split_gradients)
+    if rest is None:
+        log.info(
+            "split_fused_optimizer: every gradient of %s is selected; nothing to split",
+            orig_optim_block.optim.optim_node.name,
+        )
+    return selected, rest
 
 
 declare_pass(split_fused_optimizer)
