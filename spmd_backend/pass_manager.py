@@ -1,22 +1,26 @@
 """Pass declaration, ordering, verification and instrumentation.
 
-One declaration (:class:`PassSpec`, made by :func:`declare_pass` or the legacy
-:func:`graph_optimization_pass` decorator) serves two faces:
+A pass is a plain function ``fn(gm, **kwargs)`` taking a ``GraphModule`` or an object with
+``iter_graphs() -> {name: fx.Graph}`` (an ``IterGraphModule``) and editing it in place. Calling
+it directly does the edit and nothing else; it keeps no state between calls.
 
-* :class:`PassManager` (the modern face): takes passes in any order, sorts them by their
-  declared dependencies (networkx topological sort, stable in the given order), refuses missing
-  prerequisites and cycles naming the passes involved, and runs each pass followed by the
-  post-pass work: ``graph.lint()``, dead-code elimination that keeps side effects, recompile,
-  verification of the SPMD invariants (:func:`verify_graph`), a timing log line and optional
-  graph dumps. Passes can be skipped by name (``skip=`` or ``SPMD_SKIP_PASSES=a,b``); a pass
-  whose prerequisite is skipped is skipped too. A manager owns no global state: two managers,
-  or one manager on two graphs, never interfere.
-* :func:`graph_optimization_pass` (the upstream seed's decorator): the same checks against the
-  module-level set :data:`_optimized_func` (which callers reset with ``.clear()``), failing with
-  ``AssertionError`` as the seed tests expect.
+:func:`declare_pass` records, once per pass, what the manager needs to know (:class:`PassSpec`):
+the passes that must run before it (``prerequisites``), the passes it must follow when both are
+scheduled (``apply_after``), both by name so that passes need not import each other, and
+whether it may reorder collectives. The record is a table of declarations keyed by name
+(:func:`pass_spec_of` finds a declared function, a spec or a name); it holds no run state.
 
-A pass is a function ``fn(gm, **kwargs)`` taking a ``GraphModule`` or an object with
-``iter_graphs() -> {name: fx.Graph}`` (an ``IterGraphModule``) and editing it in place.
+:class:`PassManager` takes passes in any order, sorts them by their declared dependencies
+(networkx topological sort, stable in the given order), refuses missing prerequisites and cycles
+naming the passes involved, and runs each pass followed by the post-pass work
+(:func:`run_pass`): ``graph.lint()``, dead-code elimination that keeps side effects, verification
+of the SPMD invariants (:func:`spmd_backend.graph.invariants.verify_graph`), recompile, a timing
+log line and optional graph dumps. Passes can be skipped by name (``skip=`` or
+``SPMD_SKIP_PASSES=a,b``); a pass whose prerequisite is skipped is skipped too. A manager owns
+no global state: two managers, or one manager on two graphs, never interfere.
+
+The upstream seed's order-checking decorator ``graph_optimization_pass`` and its process-wide
+record ``_optimized_func`` are a compatibility face in :mod:`spmd_backend.graph_optimization`.
 
 Environment: ``SPMD_SKIP_PASSES`` (comma-separated names), ``SPMD_DUMP_GRAPHS`` (a folder:
 dump every graph before and after each pass), ``SPMD_PASS_TIMING=1`` (log timings at INFO
@@ -25,7 +29,6 @@ instead of DEBUG).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -34,12 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
-from spmd_backend.errors import SpmdGraphError, SpmdPassError
+from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph import ops
-from spmd_backend.graph.meta import annotated
+from spmd_backend.graph.invariants import GraphFacts, verify_graph
 from spmd_backend.graph.utils import dump_graphs_to_files, emit_graph_artifact
 
 log = logging.getLogger(__name__)
@@ -63,8 +65,18 @@ class PassSpec:
 #: every declared pass by name (later declarations of a name replace earlier ones)
 _REGISTRY: dict[str, PassSpec] = {}
 
-#: legacy face: names of passes applied so far (callers reset it with ``.clear()``)
-_optimized_func: set[str] = set()
+
+def _declared(p: object) -> PassSpec | None:
+    """The spec declared for function ``p`` (or for a function it wraps), if any."""
+    fn: object = p
+    for _ in range(8):  # follow functools.wraps chains (the seed-compatible wrappers)
+        for spec in _REGISTRY.values():
+            if spec.fn is fn:
+                return spec
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return None
+    return None
 
 
 def _name_of(p: object) -> str:
@@ -72,8 +84,8 @@ def _name_of(p: object) -> str:
         return p
     if isinstance(p, PassSpec):
         return p.name
-    spec = getattr(p, "__spmd_pass__", None)
-    if isinstance(spec, PassSpec):
+    spec = _declared(p)
+    if spec is not None:
         return spec.name
     name = getattr(p, "__name__", None)
     if name is None:
@@ -89,10 +101,11 @@ def declare_pass(
     reorders_collectives: bool = False,
     name: str | None = None,
 ) -> PassSpec:
-    """Declare ``fn`` as a pass and register it by name.
+    """Declare ``fn`` as a pass and register it by name; ``fn`` itself is left untouched.
 
     ``prerequisites``: passes that must have run before (and must be scheduled).
     ``apply_after``: passes that, when scheduled, must run before this one.
+    Both are best given by name (a string): a pass need not import another to depend on it.
     ``reorders_collectives``: the pass may change the relative order of collectives.
     """
     spec = PassSpec(
@@ -107,17 +120,19 @@ def declare_pass(
 
 
 def pass_spec_of(p: object) -> PassSpec:
-    """The :class:`PassSpec` of a spec, a declared/decorated function or a registered name."""
+    """The :class:`PassSpec` of a spec, a declared function (or a wrapper of one) or a name.
+
+    An undeclared function gets a spec without dependencies, which is not registered.
+    """
     if isinstance(p, PassSpec):
         return p
-    spec = getattr(p, "__spmd_pass__", None)
-    if isinstance(spec, PassSpec):
-        return spec
-    if isinstance(p, str) and p in _REGISTRY:
-        return _REGISTRY[p]
-    if callable(p):  # an undeclared function: no dependencies, and not registered
-        return PassSpec(name=getattr(p, "__name__", repr(p)), fn=p)
-    raise SpmdPassError(f"unknown pass {p!r}; declared passes: {sorted(_REGISTRY)}")
+    if isinstance(p, str):
+        if p in _REGISTRY:
+            return _REGISTRY[p]
+        raise SpmdPassError(f"unknown pass {p!r}; declared passes: {sorted(_REGISTRY)}")
+    if callable(p):
+        return _declared(p) or PassSpec(name=getattr(p, "__name__", repr(p)), fn=p)
+    raise SpmdPassError(f"unknown pass {p!r}: expected a function, PassSpec or name")
 
 
 # --------------------------------------------------------------------------- graphs of a module
@@ -146,101 +161,6 @@ def cleanup_graph(graph: fx.Graph) -> None:
     graph.eliminate_dead_code(is_impure_node=ops.has_side_effect)
 
 
-# --------------------------------------------------------------------------- verification
-def collective_order(graph: fx.Graph) -> dict[str, list[fx.Node]]:
-    """Collectives per process-group name, in graph order."""
-    out: dict[str, list[fx.Node]] = {}
-    for node in graph.nodes:
-        if ops.is_collective(node):
-            group = str(node.args[-1]) if node.args else "?"
-            out.setdefault(group, []).append(node)
-    return out
-
-
-def _returns_nothing(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and len(target._schema.returns) == 0
-
-
-def _has_val(node: fx.Node) -> bool:
-    if node.op not in ("placeholder", "call_function") or "val" in node.meta:
-        return True
-    return node.op == "call_function" and _returns_nothing(node)
-
-
-@dataclass(frozen=True)
-class GraphFacts:
-    """Invariant-related facts of a graph before a pass (what the pass must preserve)."""
-
-    collectives: dict[str, list[fx.Node]]
-    all_vals: bool
-    all_annotated: bool
-
-    @classmethod
-    def of(cls, graph: fx.Graph) -> GraphFacts:
-        return cls(
-            collectives=collective_order(graph),
-            all_vals=all(_has_val(n) for n in graph.nodes),
-            all_annotated=all(annotated(n) for n in graph.nodes),
-        )
-
-
-def verify_graph(
-    graph: fx.Graph,
-    *,
-    pass_name: str = "",
-    before: Mapping[str, Sequence[fx.Node]] | None = None,
-    may_reorder: bool = False,
-    require_vals: bool = True,
-    require_annotations: bool = True,
-    lint: bool = True,
-) -> None:
-    """Check the SPMD invariants; raise :class:`SpmdGraphError` naming the pass and node.
-
-    * ``graph.lint()`` passes;
-    * every collective is consumed by exactly one ``wait_tensor`` and nothing else;
-    * collectives that existed ``before`` keep their relative order per process group, unless
-      the pass declared ``reorders_collectives``;
-    * (``require_vals``) every placeholder and call node that returns something has
-      ``meta["val"]``;
-    * (``require_annotations``) every node carries a phase annotation.
-
-    The manager requires the last two only of graphs that satisfied them before the pass, so
-    hand-built test graphs without fake values or annotations can still be verified.
-    """
-    where = f"after pass {pass_name!r}" if pass_name else "in graph"
-    if lint:
-        graph.lint()
-    for node in graph.nodes:
-        if ops.is_collective(node):
-            waits = [u for u in node.users if ops.is_wait(u)]
-            if len(waits) != 1 or len(node.users) != 1:
-                raise SpmdGraphError(
-                    f"{where}: collective {node.name} must be used by exactly one wait_tensor, "
-                    f"found users {[u.name for u in node.users]}"
-                )
-        if require_vals and not _has_val(node):
-            raise SpmdGraphError(f"{where}: node {node.name} has no meta['val']")
-        if require_annotations and not annotated(node):
-            raise SpmdGraphError(
-                f"{where}: node {node.name} has no phase annotation (spmd_backend.graph.meta)"
-            )
-    if before is not None and not may_reorder:
-        after = collective_order(graph)
-        for group, old in before.items():
-            alive = set(after.get(group, ()))
-            kept_old = [n for n in old if n in alive]
-            kept = set(kept_old)
-            kept_new = [n for n in after.get(group, ()) if n in kept]
-            if kept_old != kept_new:
-                first = next(a for a, b in zip(kept_old, kept_new) if a is not b)
-                raise SpmdGraphError(
-                    f"{where}: the relative order of collectives on group {group} changed "
-                    f"(first moved: {first.name}); declare reorders_collectives=True if "
-                    "intended"
-                )
-
-
 # --------------------------------------------------------------------------- instrumentation
 @dataclass
 class PassRecord:
@@ -263,23 +183,25 @@ def _dump(gm: object, folder: str, tag: str) -> None:
         dump_graphs_to_files({f"{tag}.{k}": g for k, g in graphs.items()}, folder)
 
 
-def _run_one(
+def run_pass(
     spec: PassSpec,
     gm: object,
-    args: tuple,
-    kwargs: dict,
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
     *,
-    verify: bool,
-    dump_dir: str | None,
-    index: int,
+    verify: bool = True,
+    dump_dir: str | None = None,
+    index: int = 0,
 ) -> tuple[Any, PassRecord]:
+    """Run one pass and its post-pass work (see the module docstring); returns the pass's
+    result and what it did. ``index`` numbers the dump files."""
     graphs = graphs_of(gm)
     before = {k: GraphFacts.of(g) for k, g in graphs.items()} if verify else {}
     record = PassRecord(spec.name, nodes_before=_node_count(gm))
     if dump_dir:
         _dump(gm, dump_dir, f"{index:02d}.{spec.name}.before")
     t0 = time.perf_counter()
-    result = spec.fn(gm, *args, **kwargs)
+    result = spec.fn(gm, *args, **(kwargs or {}))
     for name, graph in graphs_of(gm).items():
         cleanup_graph(graph)
         facts = before.get(name)
@@ -308,7 +230,7 @@ def _run_one(
     return result, record
 
 
-# --------------------------------------------------------------------------- modern face
+# --------------------------------------------------------------------------- the manager
 def _env_skips() -> set[str]:
     return {s.strip() for s in os.environ.get(SKIP_ENV, "").split(",") if s.strip()}
 
@@ -386,7 +308,7 @@ class PassManager:
                 skipped.add(spec.name)
                 records.append(PassRecord(spec.name, skipped=why))
                 continue
-            _, record = _run_one(
+            _, record = run_pass(
                 spec, gm, (), kwargs, verify=self.verify, dump_dir=dump_dir, index=i
             )
             records.append(record)
@@ -394,49 +316,3 @@ class PassManager:
         return records
 
     __call__ = run
-
-
-# --------------------------------------------------------------------------- legacy face
-def graph_optimization_pass(
-    prerequisites: Iterable[Callable[..., Any]], apply_after: Iterable[Callable[..., Any]]
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The seed's decorator: declare a pass and check its order against ``_optimized_func``.
-
-    Calling the decorated pass fails with ``AssertionError`` when it already ran ("Cannot apply
-    ... twice"), when a pass that must follow it already ran ("... must be applied after ..."),
-    or when a prerequisite has not run ("... are the prerequisites of ..."). After the pass
-    the post-pass work runs and its name is added to ``_optimized_func``.
-    """
-    prerequisites = list(prerequisites)
-    apply_after = list(apply_after)
-
-    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-        spec = declare_pass(fn, prerequisites=prerequisites, apply_after=apply_after)
-
-        @functools.wraps(fn)
-        def wrapper(gm: object, *args: Any, **kwargs: Any) -> Any:
-            name = spec.name
-            if name in _optimized_func:
-                raise AssertionError(f"Cannot apply {name} twice.")
-            must_follow = sorted(
-                other for other in _optimized_func
-                if other in _REGISTRY and name in _REGISTRY[other].apply_after
-            )
-            if must_follow:
-                raise AssertionError(f"{must_follow} must be applied after {name}.")
-            missing = sorted(set(spec.prerequisites) - _optimized_func)
-            if missing:
-                raise AssertionError(
-                    f"{missing} are the prerequisites of {name} but are not applied."
-                )
-            result, _ = _run_one(
-                spec, gm, args, kwargs, verify=True,
-                dump_dir=os.environ.get(DUMP_ENV) or None, index=len(_optimized_func),
-            )
-            _optimized_func.add(name)
-            return result
-
-        wrapper.__spmd_pass__ = spec  # type: ignore[attr-defined]
-        return wrapper
-
-    return decorator

@@ -37,6 +37,7 @@ from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph.comm import DEFAULT_BUCKET_SIZE_MB
 from spmd_backend.graph.utils import dump_graphs_to_files
 from spmd_backend.iter_graph_module import IterGraphModule
+from spmd_backend.lowering import lower_to_inductor
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport, expand_data_parallel
 from spmd_backend.parallel.state_sync import sync_module_states
 from spmd_backend.pass_manager import PassManager, PassRecord, pass_spec_of
@@ -159,7 +160,7 @@ def transform(
     prefix = f"{tag}." if tag else ""
     if folder:
         dump_graphs_to_files({f"{prefix}traced": gm.graph}, folder)
-    igm = IterGraphModule(gm, enable_inductor=config.inductor)
+    igm = IterGraphModule(gm, lower=lower_to_inductor if config.inductor else None)
     records: list[PassRecord] = []
     if config.optimize:
         manager = PassManager(config.pass_list(with_optimizer), skip=config.skip_passes,

@@ -32,6 +32,7 @@ def test_writing_a_pass_tutorial(tmp_path, monkeypatch):
     tutorial = _tutorial_module(tmp_path)
     try:
         assert tutorial.pipeline_order() == ["comm_fusion_with_concat", "bf16_compress", "schedule_comm_wait"]
+        tutorial.check_direct_calls()
         tutorial.check_on_one_process()
         worst = tutorial.check_on_two_ranks()
         assert len(worst) == 2 and all(0 < w < 1e-2 for w in worst), worst

@@ -194,3 +194,48 @@ def test_construction_is_cheap_and_finalize_linear():
     assert igm.graph is graph
     igm.finalize_setup()
     assert len(igm.main_gm.graph.nodes) == len(graph.nodes) + 0
+
+
+def test_lowering_is_injected_and_applied_to_the_step_graphs_only():
+    lowered = []
+
+    def lower(gm):
+        lowered.append([n.name for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm  # called exactly like the graph: a valid lowering
+
+    ref_w, ref_b, _ = run(toy_step_graph(), 3)
+    igm = IterGraphModule(toy_step_graph(), lower=lower)
+    igm.graph.move_to_next_iter_before(b_update(igm), named(igm, "xb"))
+    igm.finalize_setup()
+    assert len(lowered) == 3, "setup, main and cleanup are lowered when finalized"
+    assert sum(any(p.startswith("carry") for p in ph) for ph in lowered) == 2  # main, cleanup
+    w, b, _ = run(igm, 3, last=False)
+    igm.flush()  # the flush graph runs unlowered
+    assert len(lowered) == 3
+    torch.testing.assert_close(w, ref_w)
+    torch.testing.assert_close(b, ref_b)
+
+
+def test_enable_inductor_is_the_upstream_spelling_of_lower():
+    from spmd_backend.errors import SpmdUsageError
+    from spmd_backend.lowering import lower_to_inductor
+
+    assert IterGraphModule(toy_step_graph(), enable_inductor=True).lower is lower_to_inductor
+    assert IterGraphModule(toy_step_graph()).lower is None
+    with pytest.raises(SpmdUsageError, match="not both"):
+        IterGraphModule(toy_step_graph(), enable_inductor=True, lower=lower_to_inductor)
+
+
+def test_the_graph_container_does_not_import_the_lowering():
+    import ast
+    import pathlib
+
+    import spmd_backend.graph.iter_graph as iter_graph
+    import spmd_backend.iter_graph_module as igm_module
+
+    for module in (igm_module, iter_graph):
+        tree = ast.parse(pathlib.Path(module.__file__).read_text())
+        top_level = [
+            n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module
+        ]
+        assert not [m for m in top_level if m.startswith("spmd_backend.lowering")], module.__name__

@@ -39,6 +39,33 @@ def test_legacy_decorator_refuses_twice_and_runs_post_pass_work():
     _optimized_func.clear()
 
 
+
+def test_seed_face_wraps_the_plain_passes_and_keeps_the_upstream_contract():
+    from spmd_backend import graph_optimization as seed
+    from spmd_backend import passes
+
+    _optimized_func.clear()
+    try:
+        with pytest.raises(AssertionError, match=r"\['comm_fusion_with_concat'\] are the prerequisites of schedule_comm_wait"):
+            seed.schedule_comm_wait(_comm_graph())
+        seed.comm_fusion_with_concat(_comm_graph())
+        with pytest.raises(AssertionError, match="Cannot apply comm_fusion_with_concat twice"):
+            seed.comm_fusion_with_concat(_comm_graph())
+        seed.schedule_comm_wait(_comm_graph())
+        assert _optimized_func == {"comm_fusion_with_concat", "schedule_comm_wait"}
+    finally:
+        _optimized_func.clear()
+    # the plain passes: any graph, any order, as often as asked; the seed record is untouched
+    for gm in (_comm_graph(), _comm_graph()):
+        passes.schedule_comm_wait(gm)
+        passes.comm_fusion_with_concat(gm)
+        passes.comm_fusion_with_concat(gm)  # nothing left to fuse: a logged no-op
+        assert sum(ops.is_all_reduce(n) for n in gm.graph.nodes) == 1
+    assert _optimized_func == set()
+    assert PassManager([seed.schedule_comm_wait, seed.comm_fusion_with_concat]).order == [
+        "comm_fusion_with_concat", "schedule_comm_wait"
+    ], "a seed wrapper names the declaration of the plain pass it wraps"
+
 # ----------------------------------------------------------------------------- PassManager
 def _toy_gm() -> fx.GraphModule:
     def f(x, y):

@@ -31,7 +31,7 @@ import torch.fx as fx
 from spmd_backend.graph.comm import CommBlock, get_all_comm_blocks
 from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, bucket_params, owner_of
 from spmd_backend.graph.utils import fake_mode_of, node_order, propagate_val, tensor_nbytes
-from spmd_backend.pass_manager import graph_optimization_pass
+from spmd_backend.pass_manager import declare_pass
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -139,7 +139,6 @@ def _fuse(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node:
     return comm
 
 
-@graph_optimization_pass(prerequisites=[], apply_after=[])
 def comm_fusion_with_concat(gm: object, bucket_size_mb: float = 25) -> None:
     """Bucket gradient all_reduces (see the module docstring)."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
@@ -159,3 +158,5 @@ def comm_fusion_with_concat(gm: object, bucket_size_mb: float = 25) -> None:
         sum(len(b.blocks) for b in buckets), len(buckets),
     )
 
+
+declare_pass(comm_fusion_with_concat)

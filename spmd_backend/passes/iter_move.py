@@ -31,6 +31,7 @@ from spmd_backend.graph.comm import get_comm_block
 from spmd_backend.graph.meta import Phase, bucket_params, get_fqn, get_input_kind, get_phase
 from spmd_backend.graph.ops import is_list_op
 from spmd_backend.graph.optim import get_optimizer_blocks
+from spmd_backend.graph.optim_surgery import split_optimizer_block
 from spmd_backend.graph.utils import (
     add_exclusive_inputs,
     find_all_descendants,
@@ -38,10 +39,7 @@ from spmd_backend.graph.utils import (
     node_inputs,
     node_order,
 )
-from spmd_backend.pass_manager import graph_optimization_pass
-from spmd_backend.passes.remove_copy import remove_copy_from_optimizer
-from spmd_backend.passes.schedule_comm_wait import schedule_comm_wait
-from spmd_backend.passes.split_optimizer import split_optimizer_block
+from spmd_backend.pass_manager import declare_pass
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +136,6 @@ def nodes_to_move(gm: object, comm: fx.Node) -> list[fx.Node]:
         block = add_exclusive_inputs(graph, [*block, *extra], is_opt)
 
 
-@graph_optimization_pass(prerequisites=[remove_copy_from_optimizer], apply_after=[schedule_comm_wait])
 def iter_move_grads_and_optimizers(gm: object, target_comm_node: object, target_dest_node: object) -> None:
     """Move one bucket's all_reduce and optimizer update to the next iteration."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
@@ -155,3 +152,10 @@ def iter_move_grads_and_optimizers(gm: object, target_comm_node: object, target_
         "iter_move_grads_and_optimizers: %d node(s) of %s moved before %s",
         len(nodes), comm.name, dest.name,
     )
+
+
+declare_pass(
+    iter_move_grads_and_optimizers,
+    prerequisites=["remove_copy_from_optimizer"],
+    apply_after=["schedule_comm_wait"],
+)

@@ -34,7 +34,7 @@ import torch.fx as fx
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase, get_phase, inherit
 from spmd_backend.graph.utils import node_order
-from spmd_backend.pass_manager import graph_optimization_pass
+from spmd_backend.pass_manager import declare_pass
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -144,7 +144,6 @@ def _candidates(graph: fx.Graph) -> Iterator[fx.Node]:
             yield node
 
 
-@graph_optimization_pass(prerequisites=[], apply_after=[])
 def remove_copy_from_optimizer(gm: object) -> None:
     """Re-inplace the optimizer and drop its write-back copies (see the module docstring)."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
@@ -189,3 +188,5 @@ def remove_copy_from_optimizer(gm: object) -> None:
             rewritten, removed,
         )
 
+
+declare_pass(remove_copy_from_optimizer)

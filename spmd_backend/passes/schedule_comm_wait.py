@@ -1,11 +1,14 @@
 """schedule_comm_wait: issue collectives as early, and wait for them as late, as possible.
 
-Requires: comm_fusion_with_concat has run (the pass works on any collective blocks, but the
-ordering contract is the upstream one). Guarantees: each collective (with its input packing) is
-moved to right after the last node it depends on, but never before an earlier collective of the
-same process group, so the order of collectives is unchanged; each wait (with its
-split/getitem/view tail) is moved to right before the first node that consumes the
-collective's result. Compute between the two overlaps the communication.
+Requires: nothing beyond collective blocks (collective -> wait, fused or not): called directly it
+works on any graph, and a graph without collectives is a logged no-op. Declared with the
+prerequisite ``comm_fusion_with_concat`` (the upstream order: bucket first, then schedule the
+buckets; scheduling first is valid but bucketing then waits where it builds each bucket).
+Guarantees: each collective (with its input packing) is moved to right after the last node it
+depends on, but never before an earlier collective of the same process group, so the order of
+collectives is unchanged; each wait (with its split/getitem/view tail) is moved to right before
+the first node that consumes the collective's result. Compute between the two overlaps the
+communication.
 
 ::
 
@@ -22,8 +25,7 @@ import torch.fx as fx
 from spmd_backend.graph import ops
 from spmd_backend.graph.comm import CommBlock, get_all_comm_blocks
 from spmd_backend.graph.utils import node_order
-from spmd_backend.pass_manager import graph_optimization_pass
-from spmd_backend.passes.comm_fusion import comm_fusion_with_concat
+from spmd_backend.pass_manager import declare_pass
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,6 @@ def _wait_late(graph: fx.Graph, block: CommBlock) -> None:
         first.prepend(node)
 
 
-@graph_optimization_pass(prerequisites=[comm_fusion_with_concat], apply_after=[])
 def schedule_comm_wait(gm: object) -> None:
     """Move collectives early and waits late (see the module docstring)."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
@@ -70,3 +71,6 @@ def schedule_comm_wait(gm: object) -> None:
     for block in get_all_comm_blocks(graph, ops.is_collective):
         _wait_late(graph, block)
     log.info("schedule_comm_wait: scheduled %d collective(s)", len(blocks))
+
+
+declare_pass(schedule_comm_wait, prerequisites=["comm_fusion_with_concat"])

@@ -1,143 +1,43 @@
 """split_fused_optimizer: split one optimizer block into two over a subset of its gradients.
 
 Requires: an :class:`~spmd_backend.graph.optim.OptimizerBlock` of the graph (fused Adam/AdamW/
-SGD or a foreach chain, functional or in-place). Guarantees: every list op of the block —
-the fused kernel or each foreach op, and the step-count increment — is replaced by two ops of
-the same kind, one over the parameters whose gradient is in ``gradients`` and one over the
-rest, at the original position; element uses are rewired, so the two halves compute exactly
-what the one block did. Returns the two new blocks (the second is ``None`` when every gradient
-was selected). The blocks can then be moved independently.
+SGD or a foreach chain, functional or in-place). Guarantees: the block's list ops are replaced
+by two ops each, one over the parameters whose gradient is in ``split_gradients`` and one over
+the rest, computing exactly what the one block did (the surgery, its guarantees and a
+before/after sketch: :mod:`spmd_backend.graph.optim_surgery`). Returns the two new blocks (the
+second is ``None`` when every gradient was selected); raises
+:class:`~spmd_backend.errors.SpmdPassError` when no given gradient is read by the block. The
+blocks can then be moved independently.
 
-::
-
-    before:  _foreach_add_([s0, s1, s2], 1)   _fused_adam_([p0, p1, p2], [g0, g1, g2], ...)
-    after:   _foreach_add_([s1], 1)  _foreach_add_([s0, s2], 1)
-             _fused_adam_([p1], [g1], ...)  _fused_adam_([p0, p2], [g0, g2], ...)
+The pass always has a pattern: the caller names the block, as the upstream API does
+(``get_all_fused_optimizer_blocks(gm, "_fused_adam")[0]``).
 """
 
 from __future__ import annotations
 
-import operator
+import logging
 from collections.abc import Iterable
 
-import torch
 import torch.fx as fx
 
-from spmd_backend.errors import SpmdPassError
-from spmd_backend.graph import ops
-from spmd_backend.graph.meta import inherit
-from spmd_backend.graph.optim import (
-    OptimizerBlock,
-    get_all_fused_optimizer_blocks,
-    get_optimizer_blocks,
-    list_length,
-)
-from spmd_backend.pass_manager import graph_optimization_pass
+from spmd_backend.graph.optim import OptimizerBlock
+from spmd_backend.graph.optim_surgery import split_optimizer_block
+from spmd_backend.pass_manager import declare_pass
+
+log = logging.getLogger(__name__)
 
 
-def _split_value(value: object, idx: list[int], n: int) -> object:
-    if isinstance(value, (list, tuple)) and len(value) == n:
-        return [value[i] for i in idx]
-    return value
-
-
-def _split_val(val: object, idx: list[int], n: int) -> object:
-    if isinstance(val, (list, tuple)):
-        if len(val) == n and all(isinstance(v, torch.Tensor) for v in val):
-            return [val[i] for i in idx]
-        return type(val)(_split_val(v, idx, n) for v in val)
-    return val
-
-
-def _split_node(graph: fx.Graph, node: fx.Node, sel: list[int], rest: list[int]) -> tuple[fx.Node, fx.Node]:
-    n = list_length(node)
-    halves = []
-    with graph.inserting_before(node):
-        for idx in (sel, rest):
-            args = tuple(_split_value(a, idx, n) for a in node.args)
-            kwargs = {k: _split_value(v, idx, n) for k, v in node.kwargs.items()}
-            new = graph.call_function(node.target, args, kwargs)
-            inherit(new, node)
-            if "val" in node.meta:
-                new.meta["val"] = _split_val(node.meta["val"], idx, n)
-            halves.append(new)
-    position = {i: (0, p) for p, i in enumerate(sel)} | {i: (1, p) for p, i in enumerate(rest)}
-
-    def getitem(src: fx.Node, index: int, like: fx.Node) -> fx.Node:
-        with graph.inserting_after(src):
-            g = graph.call_function(operator.getitem, (src, index))
-        inherit(g, like)
-        if "val" in like.meta:
-            g.meta["val"] = like.meta["val"]
-        return g
-
-    for user in list(node.users):
-        if not ops.is_getitem(user):
-            raise SpmdPassError(f"split_fused_optimizer: unexpected user {user.name} of {node.name}")
-        k = int(user.args[1])
-        inner = [v for v in user.users if ops.is_getitem(v)]
-        if inner and len(inner) == len(user.users):  # tuple of lists (fused): user = list k
-            half_lists = [getitem(h, k, user) for h in halves]
-            for v in list(inner):
-                half, p = position[int(v.args[1])]
-                v.replace_all_uses_with(getitem(half_lists[half], p, v))
-                graph.erase_node(v)
-        else:  # list (foreach): user = element k
-            half, p = position[k]
-            user.replace_all_uses_with(getitem(halves[half], p, user))
-        graph.erase_node(user)
-    graph.erase_node(node)
-    return halves[0], halves[1]
-
-
-def _block_of(graph: fx.Graph, node: fx.Node) -> OptimizerBlock | None:
-    for block in get_optimizer_blocks(graph):
-        if node in block.nodes:
-            return block
-    return None
-
-
-def split_optimizer_block(
-    gm: object, block: OptimizerBlock, gradients: Iterable[fx.Node]
-) -> tuple[OptimizerBlock, OptimizerBlock | None]:
-    """The splitting itself (no pass bookkeeping): usable inside other passes."""
-    graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
-    wanted = set(gradients)
-    grads = block.gradients
-    sel = [i for i, g in enumerate(grads) if g in wanted]
-    rest = [i for i, g in enumerate(grads) if g not in wanted]
-    if not sel:
-        raise SpmdPassError(
-            f"split_fused_optimizer: none of the given gradients is read by {block.optim.optim_node.name}"
-        )
-    if not rest:
-        return block, None
-    n = block.length
-    for node in block.nodes:
-        if list_length(node) != n:
-            raise SpmdPassError(
-                f"split_fused_optimizer: {node.name} has {list_length(node)} elements, "
-                f"the block has {n}; cannot split it consistently"
-            )
-    firsts: list[fx.Node] = []
-    seconds: list[fx.Node] = []
-    for node in block.nodes:
-        a, b = _split_node(graph, node, sel, rest)
-        firsts.append(a)
-        seconds.append(b)
-    with_sel = _block_of(graph, firsts[0])
-    without = _block_of(graph, seconds[0])
-    if with_sel is None or without is None:
-        raise SpmdPassError("split_fused_optimizer: the split halves are not optimizer blocks")
-    return with_sel, without
-
-
-@graph_optimization_pass(prerequisites=[], apply_after=[])
 def split_fused_optimizer(
     gm: object, orig_optim_block: OptimizerBlock, split_gradients: Iterable[fx.Node]
 ) -> tuple[OptimizerBlock, OptimizerBlock | None]:
     """Split ``orig_optim_block`` over ``split_gradients`` (see the module docstring)."""
-    return split_optimizer_block(gm, orig_optim_block, split_gradients)
+    selected, rest = split_optimizer_block(gm, orig_optim_block, split_gradients)
+    if rest is None:
+        log.info(
+            "split_fused_optimizer: every gradient of %s is selected; nothing to split",
+            orig_optim_block.optim.optim_node.name,
+        )
+    return selected, rest
 
 
-__all__ = ["get_all_fused_optimizer_blocks", "split_fused_optimizer", "split_optimizer_block"]
+declare_pass(split_fused_optimizer)

@@ -12,7 +12,6 @@ import torch.nn as nn
 
 import spmd_backend
 from spmd_backend.iter_graph_module import IterGraphModule
-from spmd_backend.pass_manager import _optimized_func
 
 
 class Net(nn.Module):
@@ -63,7 +62,6 @@ def run_pair(
     model = model_factory()
     ref = copy.deepcopy(model)
     opt, ref_opt = make_optim(model, optim_kind), make_optim(ref, optim_kind)
-    _optimized_func.clear()
     compiled = spmd_backend.compile(gm_transformation=transformation)(step_fn)
     plain = spmd_backend.compile()(step_fn)
     gen = torch.Generator().manual_seed(1)
@@ -73,7 +71,6 @@ def run_pair(
         kwargs = {"last_train_step": True} if last_train_step and iterative and i == steps - 1 else {}
         compiled(model, opt, batch, **kwargs)
         plain(ref, ref_opt, batch)
-    _optimized_func.clear()
     return compiled, model, ref
 
 

@@ -9,7 +9,7 @@ from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import bucket_params
 from spmd_backend.iter_graph_module import IterGraphModule
-from spmd_backend.pass_manager import PassManager, _optimized_func
+from spmd_backend.pass_manager import PassManager
 from spmd_backend.passes import (
     ModuleTarget,
     comm_fusion_with_concat,
@@ -33,10 +33,7 @@ def mover(comm, dest, seen=None):
             seen.extend(
                 (n.name, bucket_params(n)) for n in igm.graph.nodes if ops.is_all_reduce(n)
             )
-        _optimized_func.clear()
-        _optimized_func.update({"remove_copy_from_optimizer", "schedule_comm_wait"})
         iter_move_grads_and_optimizers(igm, comm, dest)
-        _optimized_func.clear()
         assert igm.num_moves == 1
         igm.finalize_setup()
         return igm
@@ -82,12 +79,7 @@ def test_bad_targets_name_the_problem(fake_pg):
 
 def test_needs_an_iter_graph_module(fake_pg):
     def plain(gm):
-        _optimized_func.clear()
-        _optimized_func.add("remove_copy_from_optimizer")
-        try:
-            iter_move_grads_and_optimizers(gm, "all_reduce", "relu")
-        finally:
-            _optimized_func.clear()
+        iter_move_grads_and_optimizers(gm, "all_reduce", "relu")
         return gm
 
     with pytest.raises(SpmdPassError, match="needs an IterGraphModule"):

@@ -8,7 +8,7 @@ from helpers import assert_same_training, run_pair
 from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph.optim import get_optimizer_blocks
 from spmd_backend.iter_graph_module import IterGraphModule
-from spmd_backend.pass_manager import PassManager, _optimized_func
+from spmd_backend.pass_manager import PassManager
 from spmd_backend.passes import (
     get_all_fused_optimizer_blocks,
     remove_copy_from_optimizer,
@@ -24,7 +24,6 @@ def splitter(name, reinplace=True, count=None):
         (block,) = get_all_fused_optimizer_blocks(igm, name)
         grads = block.optim.optim_node.args[1]
         assert block.length == len(grads) == 6
-        _optimized_func.clear()
         with_sel, rest = split_fused_optimizer(igm, block, {grads[1], grads[2]})
         assert with_sel.length == 2 and rest.length == 4
         assert with_sel.optim.optim_node.args[1] == [grads[1], grads[2]]
@@ -63,7 +62,6 @@ def test_split_refuses_foreign_gradients(fake_pg):
         (block,) = get_optimizer_blocks(igm.graph)
         outsider = next(n for n in igm.graph.nodes if n.op == "placeholder")
         with pytest.raises(SpmdPassError, match="none of the given gradients"):
-            _optimized_func.clear()
             split_fused_optimizer(igm, block, {outsider})
         return igm
 

@@ -1,0 +1,125 @@
+"""The SPMD invariants of a step graph, and the check the pass manager runs after every pass.
+
+Analysis only: nothing here mutates a graph. Requires a plain ``fx.Graph`` (an ``IterGraph``
+is one). Guarantees: :func:`verify_graph` raises :class:`~spmd_backend.errors.SpmdGraphError`
+naming the pass (when given) and the offending node, and returns ``None`` otherwise.
+
+The invariants:
+
+* ``graph.lint()`` passes;
+* every collective is consumed by exactly one ``wait_tensor`` and nothing else;
+* collectives that existed before a pass keep their relative order per process group
+  (:func:`collective_order`), unless the pass declared ``reorders_collectives``;
+* every placeholder and call node that returns something has ``meta["val"]`` (a fake value);
+* every node carries a phase annotation (:mod:`spmd_backend.graph.meta`).
+
+:class:`GraphFacts` records, before a pass, which of these a graph satisfied, so that a
+hand-built test graph without fake values or annotations can still be verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from spmd_backend.errors import SpmdGraphError
+from spmd_backend.graph import ops
+from spmd_backend.graph.meta import annotated
+
+
+def collective_order(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """Collectives per process-group name, in graph order."""
+    out: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if ops.is_collective(node):
+            group = str(node.args[-1]) if node.args else "?"
+            out.setdefault(group, []).append(node)
+    return out
+
+
+def _returns_nothing(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and len(target._schema.returns) == 0
+
+
+def has_val(node: fx.Node) -> bool:
+    """Whether ``node`` has the fake value it should have (nodes that return nothing need none)."""
+    if node.op not in ("placeholder", "call_function") or "val" in node.meta:
+        return True
+    return node.op == "call_function" and _returns_nothing(node)
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """Invariant-related facts of a graph before a pass (what the pass must preserve)."""
+
+    collectives: dict[str, list[fx.Node]]
+    all_vals: bool
+    all_annotated: bool
+
+    @classmethod
+    def of(cls, graph: fx.Graph) -> GraphFacts:
+        return cls(
+            collectives=collective_order(graph),
+            all_vals=all(has_val(n) for n in graph.nodes),
+            all_annotated=all(annotated(n) for n in graph.nodes),
+        )
+
+
+def _check_waits(node: fx.Node, where: str) -> None:
+    waits = [u for u in node.users if ops.is_wait(u)]
+    if len(waits) != 1 or len(node.users) != 1:
+        raise SpmdGraphError(
+            f"{where}: collective {node.name} must be used by exactly one wait_tensor, "
+            f"found users {[u.name for u in node.users]}"
+        )
+
+
+def _check_order(graph: fx.Graph, before: Mapping[str, Sequence[fx.Node]], where: str) -> None:
+    after = collective_order(graph)
+    for group, old in before.items():
+        alive = set(after.get(group, ()))
+        kept_old = [n for n in old if n in alive]
+        kept = set(kept_old)
+        kept_new = [n for n in after.get(group, ()) if n in kept]
+        if kept_old != kept_new:
+            first = next(a for a, b in zip(kept_old, kept_new) if a is not b)
+            raise SpmdGraphError(
+                f"{where}: the relative order of collectives on group {group} changed "
+                f"(first moved: {first.name}); declare reorders_collectives=True if intended"
+            )
+
+
+def verify_graph(
+    graph: fx.Graph,
+    *,
+    pass_name: str = "",
+    before: Mapping[str, Sequence[fx.Node]] | None = None,
+    may_reorder: bool = False,
+    require_vals: bool = True,
+    require_annotations: bool = True,
+    lint: bool = True,
+) -> None:
+    """Check the SPMD invariants (see the module docstring).
+
+    ``before``: the :func:`collective_order` of the graph before the pass (order is checked only
+    when given and ``may_reorder`` is false); ``require_vals`` / ``require_annotations``: check
+    fake values / phase annotations; ``lint=False`` when the caller just linted the graph.
+    """
+    where = f"after pass {pass_name!r}" if pass_name else "in graph"
+    if lint:
+        graph.lint()
+    for node in graph.nodes:
+        if ops.is_collective(node):
+            _check_waits(node, where)
+        if require_vals and not has_val(node):
+            raise SpmdGraphError(f"{where}: node {node.name} has no meta['val']")
+        if require_annotations and not annotated(node):
+            raise SpmdGraphError(
+                f"{where}: node {node.name} has no phase annotation (spmd_backend.graph.meta)"
+            )
+    if before is not None and not may_reorder:
+        _check_order(graph, before, where)
