@@ -35,6 +35,7 @@ from torch._dynamo.utils import counters
 from spmd_backend import pipeline
 from spmd_backend.dynamo import audit, graphs, scope
 from spmd_backend.errors import SpmdUsageError
+from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
@@ -145,10 +146,7 @@ def _warn_on_recompiles(gm: fx.GraphModule) -> None:
 
 
 def _refuse_compiled_autograd(gm: fx.GraphModule) -> None:
-    accumulate = getattr(getattr(torch.ops, "inductor", None), "accumulate_grad_", None)
-    if accumulate is not None and any(
-        n.op == "call_function" and n.target is accumulate.default for n in gm.graph.nodes
-    ):
+    if any(ops.is_compiled_autograd_accumulate(n) for n in gm.graph.nodes):
         raise SpmdUsageError(
             'backend="spmd": this is compiled autograd\'s backward graph '
             "(torch._dynamo.compiled_autograd is enabled); backend=\"spmd\" captures the "
@@ -183,8 +181,8 @@ def spmd_dynamo_backend(
             log.warning(
                 'backend="spmd": whole-step capture is not possible (%s); running in per-graph '
                 "mode: every backward graph reduces its gradients, and a gradient from an eager "
-                "region raises. Returning `loss.detach()` and keeping the model free of graph "
-                "breaks lets one graph hold the whole step", _fallback_reason(),
+                "region raises. A model free of graph breaks (torch._dynamo.explain lists them; "
+                "a logging call is one) lets one graph hold the whole step", _fallback_reason(),
             )
     return _compile_aot(gm, example_inputs, config, inputs, whole_step=False)
 

@@ -1,5 +1,11 @@
-"""torch.compile(step, backend="spmd"): DDP parity on 2 ranks, guard against unreduced
-gradients, option validation, and use from a process that never imports spmd_backend."""
+"""torch.compile(step, backend="spmd"): whole-step capture and parity with DDP on 2 ranks, the
+fallback modes (never unsynchronized), option validation shared with the compile door, and use
+from a process that never imports spmd_backend.
+
+Whole-step capture: the README's step (``return loss``, not detached) must reach the pipeline as
+ONE graph per distinct step (two: the first creates optimizer state, one recompile), with no
+graph break. Scoping of the capture is tests/test_dynamo_capture.py.
+"""
 
 from __future__ import annotations
 
@@ -13,29 +19,67 @@ import pytest
 import torch
 import torch.nn as nn
 
-from spmd_backend.testing import OptimSpec
+from spmd_backend.testing import OptimSpec, ParityCase, check_ddp_parity
 
 pytestmark = pytest.mark.multirank
 
+FAST = {"inductor": False}
+SGD_MOMENTUM = OptimSpec("sgd", "foreach", lr=0.05, momentum=0.9)
 
-def _parity_job(rank: int, world: int, model_name: str, optim: OptimSpec, options: dict,
-                checkpointed: bool = False, ragged: bool = False) -> float:
+
+def _dynamo(model, optim, options=FAST, steps=6):
+    return ParityCase(model, optim, steps=steps, reduce_op="avg", dynamo_options=options)
+
+
+@pytest.mark.parametrize("model", ["mlp", "hf_gpt2"])
+@pytest.mark.parametrize(
+    "optim",
+    [SGD_MOMENTUM, OptimSpec("adamw", "foreach", lr=1e-3, weight_decay=0.01),
+     OptimSpec("adamw", "single", lr=1e-3, weight_decay=0.01)],
+    ids=lambda o: o.label(),
+)
+def test_whole_step_capture_matches_ddp(rank_pool, model, optim):
+    result = rank_pool.run(check_ddp_parity, _dynamo(model, optim))[0]
+    assert result.dynamo["graph_breaks"] == 0, result.dynamo
+    assert result.dynamo["whole_step_graphs"] == 2, result.dynamo  # state creation + steady
+    assert result.dynamo["per_graph_graphs"] == 0, result.dynamo
+    assert result.losses[0] != result.losses[-1]
+
+
+@pytest.mark.parametrize("model", ["batchnorm", "unused"])
+def test_models_ddp_handles(rank_pool, model):
+    result = rank_pool.run(check_ddp_parity, _dynamo(model, SGD_MOMENTUM))[0]
+    assert result.dynamo["whole_step_graphs"] == 2
+
+
+def test_param_groups_tensor_lr_schedule_and_ragged_batch(rank_pool):
+    rank_pool.run(_tensor_lr_job)
+
+
+def _tensor_lr_job(rank: int, world: int) -> None:
+    """A scheduler through the Dynamo door: the lr as a tensor (torch's advice for compiled
+    optimizers) is an input, so the schedule does not recompile; a ragged last batch does."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from spmd_backend.testing.models import MODELS
 
     torch._dynamo.reset()
-    entry = MODELS[model_name]
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    entry = MODELS["mlp"]
     torch.manual_seed(0)
     model = entry.build()
-    if checkpointed:
-        blocks = model.blocks
-        for i, block in enumerate(blocks):
-            blocks[i] = _Checkpointed(block)
     ref = copy.deepcopy(model)
-    ddp = DDP(ref, find_unused_parameters=entry.find_unused_parameters)
-    opt, sched = optim.build(model)
-    ref_opt, ref_sched = optim.build(ref, reference=True)
+    ddp = DDP(ref)
+
+    def make(m):
+        params = list(m.parameters())
+        groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.2}]
+        opt = torch.optim.AdamW(groups, lr=torch.tensor(0.01), foreach=False, weight_decay=0.1)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
+
+    (opt, sched), (ref_opt, ref_sched) = make(model), make(ref)
 
     def step(model, optim, batch):
         loss = entry.loss(model, batch)
@@ -44,24 +88,71 @@ def _parity_job(rank: int, world: int, model_name: str, optim: OptimSpec, option
         optim.zero_grad()
         return loss
 
-    compiled = torch.compile(step, backend="spmd", options=options)
+    compiled = torch.compile(step, backend="spmd", options={"inductor": False})
     gen = torch.Generator().manual_seed(100 + rank)
-    for i in range(10):
+    for i in range(8):
         batch = entry.batch(gen)
-        if ragged and i == 9:
-            batch = batch[: batch.shape[0] // 2]  # a ragged last batch: recompiles, still right
+        if i == 7:
+            batch = batch[: batch.shape[0] // 2]
         compiled(model, opt, batch)
         step(ddp, ref_opt, batch)
-        if sched is not None:
-            sched.step()
-            ref_sched.step()
-    worst = 0.0
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
-        worst = max(worst, float((p - q).abs().max()))
-    for b, c in zip(model.buffers(), ref.buffers()):
-        torch.testing.assert_close(b, c)
-    return worst
+        sched.step()
+        ref_sched.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    assert counters["spmd"]["whole_step_graphs"] == 3, dict(counters["spmd"])  # + ragged batch
+
+
+def _float_lr_job(rank: int, world: int) -> str:
+    """A float lr changed every step: Dynamo recompiles each time and, past its recompile limit,
+    runs the step eagerly; that must raise, not train unsynchronized."""
+    import spmd_backend
+
+    torch._dynamo.reset()
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, optim, batch):
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    compiled = torch.compile(step, backend="spmd", options=FAST)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2):
+            for i in range(5):
+                opt.param_groups[0]["lr"] = 0.1 / (i + 1)
+                compiled(model, opt, torch.randn(4, 8))
+    except spmd_backend.SpmdUsageError as e:
+        return str(e)
+    return "trained"
+
+
+def test_float_lr_past_the_recompile_limit_raises(rank_pool):
+    for message in rank_pool.run(_float_lr_job):
+        assert "computed outside the spmd-compiled graphs" in message, message
+
+
+def test_activation_checkpointing(rank_pool):
+    rank_pool.run(_checkpointed_job)
+
+
+def _checkpointed_job(rank: int, world: int) -> None:
+    from spmd_backend.testing.models import MODELS, ModelEntry
+
+    base = MODELS["gpt"]
+
+    def build():
+        model = base.build()
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = _Checkpointed(block)
+        return model
+
+    entry = ModelEntry(build=build, batch=base.batch, language_model=True)
+    result = check_ddp_parity(rank, world, _dynamo(entry, OptimSpec("sgd", "foreach", lr=0.05)))
+    assert result.dynamo["whole_step_graphs"] >= 1
 
 
 class _Checkpointed(nn.Module):
@@ -73,39 +164,13 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
 
-FAST = {"inductor": False}
-
-
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
-# Adam at lr 1e-3: Adam turns ulp-level gradient differences of near-zero-gradient elements into
-# O(lr) steps; Dynamo's AOT graphs are not bitwise eager's, so a large lr flakes on one element.
-@pytest.mark.parametrize("optim", [OptimSpec("sgd", "foreach", lr=0.05, momentum=0.9),
-                                   OptimSpec("adam", "foreach", lr=1e-3)],
-                         ids=lambda o: o.label())
-def test_parity_with_ddp(rank_pool, model, optim):
-    rank_pool.run(_parity_job, model, optim, FAST)
-
-
-@pytest.mark.parametrize("model", ["batchnorm", "unused"])
-def test_models_ddp_handles(rank_pool, model):
-    rank_pool.run(_parity_job, model, OptimSpec("sgd", "foreach", lr=0.05, momentum=0.9), FAST)
-
-
-def test_param_groups_schedule_and_ragged_batch(rank_pool):
-    optim = OptimSpec("adamw", "foreach", weight_decay=0.1, param_groups=2, scheduler=True)
-    rank_pool.run(_parity_job, "mlp", optim, {"inductor": False, "reduce_op": "avg"}, False, True)
-
-
-def test_activation_checkpointing(rank_pool):
-    rank_pool.run(_parity_job, "gpt", OptimSpec("sgd", "foreach", lr=0.05), FAST, True)
-
-
 @pytest.mark.slow
-def test_parity_with_inductor_and_passes(rank_pool):
+def test_whole_step_with_inductor_and_passes(rank_pool):
     # SGD: Inductor's fused kernels round differently from eager, which Adam would amplify on
     # near-zero-gradient elements; the gradient path is what this test checks
-    rank_pool.run(_parity_job, "gpt", OptimSpec("sgd", "foreach", lr=0.05, momentum=0.9),
-                  {"inductor": True, "bucket_size_mb": 1})
+    case = _dynamo("gpt", SGD_MOMENTUM, {"inductor": True, "bucket_size_mb": 1})
+    result = rank_pool.run(check_ddp_parity, case)[0]
+    assert result.dynamo["whole_step_graphs"] == 2 and result.dynamo["graph_breaks"] == 0
 
 
 def _sum_job(rank: int, world: int) -> float:
@@ -127,6 +192,7 @@ def test_sum_reduction(rank_pool):
     assert grads == [9.0, 9.0]  # rank 0: 3 x 1, rank 1: 3 x 2, summed
 
 
+# ----------------------------------------------------------------------------- fallbacks
 class _EagerPart(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -138,56 +204,122 @@ class _EagerPart(nn.Module):
 
 
 class _Split(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, eager: bool) -> None:
         super().__init__()
         self.a = nn.Linear(8, 8)
-        self.b = _EagerPart()
+        self.b = _EagerPart() if eager else nn.Linear(8, 8)
         self.c = nn.Linear(8, 2)
 
     def forward(self, x):
-        return self.c(self.b(self.a(x)))
+        x = self.b(self.a(x))
+        torch._dynamo.graph_break()
+        return self.c(x)
 
 
-def _graph_break_job(rank: int, world: int) -> str:
+def _fallback_job(rank: int, world: int, eager: bool) -> str:
+    """A graph break inside the model: per-graph mode. Parameters used in compiled graphs are
+    reduced (parity with DDP); one used only in an eager region raises before any update."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     import spmd_backend
 
     torch._dynamo.reset()
-    model = _Split()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    model = _Split(eager)
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
 
     def step(model, optim, batch):
-        model(batch).sum().backward()
+        loss = model(batch).pow(2).mean()
+        loss.backward()
         optim.step()
         optim.zero_grad()
+        return loss
 
     compiled = torch.compile(step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    before = [p.detach().clone() for p in model.parameters()]
     try:
-        compiled(model, opt, torch.randn(4, 8))
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=gen)
+            compiled(model, opt, x)
+            step(ddp, ref_opt, x)
     except spmd_backend.SpmdUsageError as e:
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         return str(e)
-    return "trained silently"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    from torch._dynamo.utils import counters
+
+    return f"parity, per-graph graphs {counters['spmd']['per_graph_graphs']}"
+
+
+def test_graph_break_in_the_model_falls_back_synchronized(rank_pool):
+    for message in rank_pool.run(_fallback_job, False):
+        assert message.startswith("parity, per-graph graphs") and not message.endswith(" 0")
 
 
 def test_eager_region_with_parameters_is_an_error(rank_pool):
-    messages = rank_pool.run(_graph_break_job)
-    assert all("no spmd-compiled backward reduced" in m for m in messages), messages
+    for message in rank_pool.run(_fallback_job, True):
+        assert "no spmd-compiled backward reduced" in message, message
 
 
-def _bad_option_job(rank: int, world: int) -> str:
+def _fused_job(rank: int, world: int) -> dict[str, int]:
+    return check_ddp_parity(rank, world, _dynamo("mlp", OptimSpec("adam", "fused", lr=1e-3))).dynamo
+
+
+def test_fused_adam_optimizer_outside_the_graph_is_synchronized(rank_pool):
+    """Dynamo does not trace the fused kernel: the graph holds forward and backward, the
+    reduced gradients reach .grad, the kernel runs eagerly on them."""
+    for counts in rank_pool.run(_fused_job):
+        assert counts["whole_step_graphs"] >= 1, counts
+
+
+def _compiled_autograd_job(rank: int, world: int) -> str:
+    import torch._dynamo.compiled_autograd as ca
+
+    torch._dynamo.reset()
+    model = nn.Linear(4, 2)
+    loss = model(torch.randn(3, 4)).sum()
+    try:
+        with ca._enable(torch.compile(backend="spmd", options=FAST)):
+            loss.backward()
+    except Exception as e:  # noqa: BLE001 - compiled autograd wraps backend errors
+        return str(e)
+    return "ran"
+
+
+def test_compiled_autograd_is_refused_naming_it(rank_pool):
+    for message in rank_pool.run(_compiled_autograd_job):
+        assert "compiled autograd" in message, message
+
+
+# ----------------------------------------------------------------------------- options
+def _bad_option_job(rank: int, world: int, options: dict) -> str:
     torch._dynamo.reset()
     model = nn.Linear(2, 2)
     try:
         torch.compile(lambda m, x: m(x).sum().backward(), backend="spmd",
-                      options={"bucket_mb": 4})(model, torch.randn(2, 2))
+                      options=options)(model, torch.randn(2, 2))
     except Exception as e:  # noqa: BLE001 - Dynamo wraps backend errors
         return str(e)
     return "accepted"
 
 
 def test_unknown_option_names_the_valid_ones(rank_pool):
-    messages = rank_pool.run(_bad_option_job)
-    for m in messages:
+    for m in rank_pool.run(_bad_option_job, {"bucket_mb": 4}):
         assert "unknown option(s) ['bucket_mb']" in m and "bucket_size_mb" in m and "reduce_op" in m
+
+
+def test_both_doors_validate_options_with_the_same_code(rank_pool):
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+
+    with pytest.raises(Exception) as compile_door:
+        GraphModuleTransformation(bucket_size_mb=-1)
+    for m in rank_pool.run(_bad_option_job, {"bucket_size_mb": -1}):
+        assert str(compile_door.value) in m, (str(compile_door.value), m)
 
 
 FRESH = textwrap.dedent(

@@ -178,6 +178,21 @@ def is_buffer_marker(node: fx.Node) -> bool:
     return target is not None and is_call_to(node, target)
 
 
+def is_compiled_autograd_accumulate(node: fx.Node) -> bool:
+    """Compiled autograd's ``AccumulateGrad`` (or Inductor's ``accumulate_grad_``): where its
+    backward graph writes a ``.grad``."""
+    if node.op != "call_function":
+        return False
+    from torch._dynamo.compiled_autograd import ops as compiled_autograd_ops
+
+    targets = [getattr(compiled_autograd_ops, "AccumulateGrad", None)]
+    inductor = getattr(torch.ops, "inductor", None)
+    accumulate = getattr(inductor, "accumulate_grad_", None) if inductor is not None else None
+    if accumulate is not None:
+        targets.append(accumulate.default)
+    return any(t is not None and node.target is t for t in targets)
+
+
 def has_side_effect(node: fx.Node) -> bool:
     """Nodes dead-code elimination must keep: mutations, collectives, waits, impure calls."""
     if node.op in ("placeholder", "output"):

@@ -6,7 +6,8 @@ both for ``case.steps`` steps on rank-dependent batches (so that skipping the gr
 collectives changes the result), and asserts that parameters, buffers and optimizer state match
 under ``torch.testing.assert_close``'s fp32 tolerances. With the default SUM reduction the DDP
 side multiplies its averaged gradients by ``world_size`` before stepping, as the upstream seed
-test does.
+test does. ``ParityCase(dynamo_options={...})`` checks the Dynamo door
+(``torch.compile(step, backend="spmd")``) instead and reports what the backend received.
 """
 
 from __future__ import annotations
@@ -101,13 +102,19 @@ class ParityCase:
     reduce_op: str = "sum"
     transformation: Callable[[Any], Any] | None = None
     seed: int = 0
+    #: None: ``spmd_backend.compile``; a dict: ``torch.compile(step, backend="spmd", options=...)``
+    #: (``reduce_op`` is added to it)
+    dynamo_options: dict[str, Any] | None = None
 
     def label(self) -> str:
         t = getattr(self.transformation, "__name__", None) or (
             type(self.transformation).__name__ if self.transformation is not None else None
         )
-        model = self.model if isinstance(self.model, str) else self.model.describe()
-        return f"{model}/{self.optim.label()}/{self.reduce_op}" + (f"/{t}" if t else "")
+        model = self.model if isinstance(self.model, str) else getattr(
+            self.model, "describe", lambda: type(self.model).__name__
+        )()
+        door = "/dynamo" if self.dynamo_options is not None else ""
+        return f"{model}/{self.optim.label()}/{self.reduce_op}{door}" + (f"/{t}" if t else "")
 
 
 @dataclass
@@ -119,6 +126,8 @@ class ParityResult:
     max_state_diff: float
     losses: list[float]
     traces: int
+    #: Dynamo door: graphs the backend received (whole-step, per-graph) and graph breaks
+    dynamo: dict[str, int] = field(default_factory=dict)
 
 
 def _compare(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
@@ -127,7 +136,8 @@ def _compare(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
 
 
 def make_train_step(entry: ModelEntry) -> Callable[..., torch.Tensor]:
-    """The canonical eager step: loss, backward, optimizer step, zero_grad; returns the loss."""
+    """The canonical eager step: loss, backward, optimizer step, zero_grad; returns the loss
+    (as the README writes it: not detached)."""
 
     def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
         loss = entry.loss(model, batch)
@@ -149,10 +159,7 @@ def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResu
     opt, sched = case.optim.build(model)
     ref_opt, ref_sched = case.optim.build(ref_model, reference=True)
 
-    step = spmd_backend.compile(
-        gm_transformation=case.transformation,
-        parallel_mode=DataParallel(reduce_op=case.reduce_op),
-    )(make_train_step(entry))
+    step = _compiled_step(case, make_train_step(entry))
 
     gen = torch.Generator().manual_seed(1000 + rank)
     losses: list[float] = []
@@ -208,8 +215,35 @@ def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResu
             raise AssertionError(f"{case.label()}: lr {g['lr']} vs DDP {rg['lr']}")
     return ParityResult(
         label=case.label(), max_param_diff=max_p, max_state_diff=max_s, losses=losses,
-        traces=step.trace_count,
+        traces=getattr(step, "trace_count", 0), dynamo=_dynamo_counts(case),
     )
+
+
+def _compiled_step(case: ParityCase, train_step: Callable[..., Any]) -> Callable[..., Any]:
+    if case.dynamo_options is None:
+        return spmd_backend.compile(
+            gm_transformation=case.transformation,
+            parallel_mode=DataParallel(reduce_op=case.reduce_op),
+        )(train_step)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    options = {**case.dynamo_options, "reduce_op": case.reduce_op}
+    return torch.compile(train_step, backend="spmd", options=options)
+
+
+def _dynamo_counts(case: ParityCase) -> dict[str, int]:
+    if case.dynamo_options is None:
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {
+        "whole_step_graphs": counters["spmd"]["whole_step_graphs"],
+        "per_graph_graphs": counters["spmd"]["per_graph_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "unique_graphs": counters["stats"]["unique_graphs"],
+    }
 
 
 def without_gradient_collectives(gm: Any) -> Any:

@@ -34,8 +34,13 @@ def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                        eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    # an explicit loss type: otherwise transformers logs a warning on the first forward, which
+    # is a graph break for torch.compile
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def _gpt2_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:

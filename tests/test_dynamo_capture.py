@@ -1,0 +1,75 @@
+"""Whole-step capture is scoped to frames compiled for backend="spmd".
+
+In one fresh process: a stock ``torch.compile(step, backend="eager")`` is measured (graphs,
+graph breaks, result), the spmd backend is used for a few steps, and the stock compile is
+measured again: it must behave exactly as before, and every adjusted Dynamo method and config
+must be back to torch's own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, tempfile, torch, torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch._dynamo.output_graph import OutputGraph
+    from torch._dynamo.variables.functions import SkipFunctionVariable
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    def step(model, opt, x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def run(backend, **kw):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        compiled = torch.compile(step, backend=backend, **kw)
+        for i in range(3):
+            compiled(model, opt, torch.full((4, 8), float(i)))
+        return {
+            "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()),
+            "sum": round(float(sum(p.sum() for p in model.parameters())), 5),
+        }
+
+    def methods():
+        return [id(SkipFunctionVariable.call_function), id(OptimizerVariable.call_method),
+                id(TensorVariable.method_backward),
+                id(OutputGraph._validate_outputs_safe_for_autograd_nodes),
+                torch._dynamo.config.trace_autograd_ops]
+
+    stock_before, methods_before = run("eager"), methods()
+    dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+    spmd = run("spmd", options={"inductor": False})
+    spmd["whole_step_graphs"] = counters["spmd"]["whole_step_graphs"]
+    stock_after, methods_after = run("eager"), methods()
+    dist.destroy_process_group()
+    print(json.dumps({"before": stock_before, "spmd": spmd, "after": stock_after,
+                      "methods_restored": methods_before == methods_after}))
+    """
+)
+
+
+def test_stock_torch_compile_is_unaffected_by_the_spmd_backend():
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["after"] == out["before"], out
+    assert out["methods_restored"], out
+    assert out["before"]["breaks"] > 0, "stock Dynamo breaks this step; the test must see it"
+    assert out["spmd"]["breaks"] == 0 and out["spmd"]["whole_step_graphs"] == 2, out
+    assert out["spmd"]["sum"] == out["before"]["sum"], out  # one rank: same training
