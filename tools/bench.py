@@ -12,7 +12,9 @@ communication (profiled time blocked in ``wait_tensor``). In the same run: the c
 (one rank's local step without any communication) and the communication-only time (all_reduce of
 the gradient bytes in DDP's 25 MB buckets); their max is the lower bound each variant is
 compared with. Also: trace time of a 12-layer GPT's first calls and the pass-pipeline time on a
-24-layer graph. Writes JSON and a markdown table. A benchmark, not a test.
+24-layer graph, and (``--compile-times``) the first two calls of each compiling variant in
+fresh processes, cold (an empty Inductor cache) and warm (the cache the cold run filled).
+Writes JSON and a markdown table. A benchmark, not a test.
 
 Variants: ddp, ddp_compiled (torch.compile of the DDP model), spmd (no transformation),
 spmd_opt (graph optimization), spmd_opt_inductor (graph optimization + Inductor), spmd_dynamo
@@ -72,7 +74,28 @@ def workload(name: str) -> tuple[Any, Any, Any]:
             lambda g: torch.randint(0, 512, (8, 64), generator=g),
             _lm_step,
         )
+    if name == "hf_gpt2":  # transformers GPT-2, 4 layers x 256, 8 x 128 tokens
+        return (_hf_gpt2, lambda g: torch.randint(0, 8192, (8, 128), generator=g), _hf_step)
     raise SystemExit(f"unknown workload {name!r}")
+
+
+def _hf_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=128,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                        eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def _hf_step(model, optim, batch):
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -266,6 +289,37 @@ def _trace_job(rank: int, world: int, layers: int) -> dict:
     }
 
 
+def _first_calls_job(rank: int, world: int, name: str, variant: str) -> float:
+    """Seconds of a fresh process's first two calls (compile, state creation, recompile)."""
+    import torch.distributed as dist
+
+    build, make_batch, step_fn = workload(name)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [make_batch(gen) for _ in range(2)]
+    run, _ = _build(variant, build, step_fn, torch.device("cpu"))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for b in batches:
+        run(b)
+    return time.perf_counter() - t0
+
+
+def compile_times(names: list[str], variants: list[str], ranks: int) -> dict[str, Any]:
+    """First two calls per variant in fresh processes: cold (empty Inductor cache), then warm."""
+    import tempfile
+
+    out: dict[str, Any] = {}
+    for name in names:
+        out[name] = {}
+        for v in variants:
+            cache = tempfile.mkdtemp(prefix="bench_inductor_")
+            env = {"TORCHINDUCTOR_CACHE_DIR": cache}
+            cold = run_on_ranks(_first_calls_job, name, v, world_size=ranks, env=env, timeout=1800)
+            warm = run_on_ranks(_first_calls_job, name, v, world_size=ranks, env=env, timeout=1800)
+            out[name][v] = {"cold_s": max(cold), "warm_s": max(warm)}
+    return out
+
+
 def _fmt(x: Any, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -286,6 +340,13 @@ def markdown(result: dict) -> str:
                 f"{_fmt(r['exposed_comm_ms'])} |"
             )
         lines.append("")
+    for name, per_variant in result.get("compile_times", {}).items():
+        lines.append(f"### {name}: first two calls in a fresh process, s\n")
+        lines.append("| variant | cold Inductor cache | warm cache |")
+        lines.append("|---|---|---|")
+        for v, t in per_variant.items():
+            lines.append(f"| {v} | {t['cold_s']:.1f} | {t['warm_s']:.1f} |")
+        lines.append("")
     for key in ("trace12", "trace24"):
         t = result.get(key)
         if t:
@@ -304,6 +365,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["mlp", "gpt"])
     parser.add_argument("--variants", nargs="+", default=ALL_VARIANTS)
     parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument("--no-steps", action="store_true", help="skip the step-time table")
+    parser.add_argument("--compile-times", nargs="*", default=None,
+                        help="variants whose first calls to time in fresh processes")
     parser.add_argument("--out", default="out/bench.json")
     parser.add_argument("--md", default="out/bench.md")
     args = parser.parse_args()
@@ -315,10 +379,13 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"),
         }
     }
-    result["workloads"] = run_on_ranks(
+    result["workloads"] = {} if args.no_steps else run_on_ranks(
         _bench_job, args.workloads, args.variants, args.steps,
         world_size=args.ranks, timeout=3600, backend=backend,
     )[0]
+    if args.compile_times is not None:
+        variants = args.compile_times or ["ddp_compiled", "spmd_dynamo", "spmd_opt_inductor"]
+        result["compile_times"] = compile_times(args.workloads, variants, args.ranks)
     if not args.no_trace:
         result["trace12"] = run_on_ranks(_trace_job, 12, world_size=args.ranks, timeout=1800)[0]
         result["trace24"] = run_on_ranks(_trace_job, 24, world_size=args.ranks, timeout=1800)[0]

@@ -101,36 +101,41 @@ def _scheduler_wrapper_code() -> Any:
     return opt.step.__code__
 
 
-def _patches() -> list[tuple[Any, str, Any]]:
-    """(owner, attribute, replacement) for every adjustment of the scope."""
-    from torch._dynamo.exc import unimplemented
-    from torch._dynamo.output_graph import OutputGraph, collect_reachable_grad_fns
+Patch = tuple[Any, str, Any]
+
+
+def _inline_disabled(traceable: set[Any]) -> Patch:
+    """``zero_grad`` is wrapped by ``torch._disable_dynamo``: inline the original instead."""
     from torch._dynamo.symbolic_convert import InstructionTranslatorBase
     from torch._dynamo.variables.base import VariableTracker
-    from torch._dynamo.variables.constant import ConstantVariable
-    from torch._dynamo.variables.functions import SkipFunctionVariable, UserFunctionVariable
-    from torch._dynamo.variables.optimizer import OptimizerVariable
-    from torch._dynamo.variables.tensor import TensorVariable
-    from torch.optim import optimizer as optimizer_module
+    from torch._dynamo.variables.functions import UserFunctionVariable
 
-    traceable = _optimizer_functions()
     disable_inner = torch._disable_dynamo(lambda: None).__code__
-    use_grad_code = optimizer_module._use_grad_for_differentiable(lambda self: None).__code__
-    scheduler_code = _scheduler_wrapper_code()
-    inline_orig = InstructionTranslatorBase.inline_user_function_return
-    skip_call_orig = SkipFunctionVariable.call_function
-    opt_call_orig = OptimizerVariable.call_method
-    validate_orig = OutputGraph._validate_outputs_safe_for_autograd_nodes
-    backward_orig = TensorVariable.method_backward
+    original = InstructionTranslatorBase.inline_user_function_return
 
     def inline_user_function_return(self: Any, fn: Any, args: Any, kwargs: Any, *a: Any, **k: Any) -> Any:
         if isinstance(fn, UserFunctionVariable) and fn.get_code() is disable_inner:
             target = _original(fn.get_function())
-            if target in traceable:  # zero_grad's @torch._disable_dynamo
+            if target in traceable:
                 fn = VariableTracker.build(self, target)
-        return inline_orig(self, fn, args, kwargs, *a, **k)
+        return original(self, fn, args, kwargs, *a, **k)
 
-    def skip_call(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+    return (InstructionTranslatorBase, "inline_user_function_return", inline_user_function_return)
+
+
+def _skipped_calls(traceable: set[Any]) -> Patch:
+    """Trace a scheduler's ``step`` wrapper, drop the optimizer's ``graph_break()``, inline
+    ``disable()``-wrapped optimizer functions."""
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.variables.constant import ConstantVariable
+    from torch._dynamo.variables.functions import SkipFunctionVariable
+    from torch.optim import optimizer as optimizer_module
+
+    use_grad_code = optimizer_module._use_grad_for_differentiable(lambda self: None).__code__
+    scheduler_code = _scheduler_wrapper_code()
+    original = SkipFunctionVariable.call_function
+
+    def call_function(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
         value = self.value
         if getattr(value, "__code__", None) is scheduler_code and self.source is not None:
             # an LR scheduler's wrapper around optimizer.step: do what it does, traced
@@ -144,24 +149,55 @@ def _patches() -> list[tuple[Any, str, Any]]:
         target = _original(value)
         if target is not value and target in traceable:
             return tx.inline_user_function_return(VariableTracker.build(tx, target), list(args), kwargs)
-        return skip_call_orig(self, tx, args, kwargs)
+        return original(self, tx, args, kwargs)
 
-    def opt_call(self: Any, tx: Any, name: str, args: Any, kwargs: Any) -> Any:
-        if name == "_init_group":  # trace it: run eagerly it would read the real .grad
+    return (SkipFunctionVariable, "call_function", call_function)
+
+
+def _init_group_traced() -> Patch:
+    """Trace ``_init_group``: run eagerly it would read the real, not yet updated, ``.grad``."""
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+
+    original = OptimizerVariable.call_method
+
+    def call_method(self: Any, tx: Any, name: str, args: Any, kwargs: Any) -> Any:
+        if name == "_init_group":
             target = VariableTracker.build(tx, _original(type(self.value)._init_group))
             return tx.inline_user_function_return(target, [self, *args], kwargs)
-        return opt_call_orig(self, tx, name, args, kwargs)
+        return original(self, tx, name, args, kwargs)
+
+    return (OptimizerVariable, "call_method", call_method)
+
+
+def _return_loss_detached() -> Patch:
+    """``return loss`` after ``loss.backward()``: return it detached, not restart the frame."""
+    from torch._dynamo.output_graph import OutputGraph, collect_reachable_grad_fns
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    original = OutputGraph._validate_outputs_safe_for_autograd_nodes
 
     def validate(self: Any, rv: list[Any], tx: Any) -> None:
         consumed = self.autograd_grad_consumed_grad_fns
-        for i, var in enumerate(rv):  # `return loss` after loss.backward(): return it detached
+        for i, var in enumerate(rv):
             if consumed and isinstance(var, TensorVariable) and var.requires_grad:
                 fake = var.as_proxy().node.meta.get("example_value")
                 if fake is not None and fake.grad_fn is not None and (
                     collect_reachable_grad_fns([(fake, None)]) & consumed
                 ):
                     rv[i] = var.call_method(tx, "detach", [], {})
-        return validate_orig(self, rv, tx)
+        return original(self, rv, tx)
+
+    return (OutputGraph, "_validate_outputs_safe_for_autograd_nodes", validate)
+
+
+def _backward_of_upstream_loss() -> Patch:
+    """A graph break instead of torch 2.13's silent loss of gradients when the loss depends on
+    an earlier graph's (or an eager region's) output."""
+    from torch._dynamo.exc import unimplemented
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    original = TensorVariable.method_backward
 
     def method_backward(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
         inputs = kwargs.get("inputs", args[3] if len(args) > 3 else None)
@@ -169,9 +205,7 @@ def _patches() -> list[tuple[Any, str, Any]]:
             leaves = self._collect_backward_inputs(itertools.chain(
                 tx.output.leaf_var_creation_order, tx.output.input_source_to_var.values()
             ))
-            # torch 2.13 differentiates only w.r.t. this frame's leaves: a loss that also
-            # depends on an earlier graph's or an eager region's output (a graph break inside
-            # the model) would silently get no gradients there, or none at all
+            # torch 2.13 differentiates only w.r.t. this frame's leaves
             upstream = [
                 ex for ex in (_example(a) for a in tx.output.graphargs)
                 if isinstance(ex, torch.Tensor) and ex.requires_grad and ex.grad_fn is not None
@@ -184,14 +218,17 @@ def _patches() -> list[tuple[Any, str, Any]]:
                     "backward runs eagerly through every graph instead",
                     hints=["Remove the graph break inside the model (torch._dynamo.explain)."],
                 )
-        return backward_orig(self, tx, *args, **kwargs)
+        return original(self, tx, *args, **kwargs)
 
+    return (TensorVariable, "method_backward", method_backward)
+
+
+def _patches() -> list[Patch]:
+    """(owner, attribute, replacement) for every adjustment of the scope."""
+    traceable = _optimizer_functions()
     return [
-        (InstructionTranslatorBase, "inline_user_function_return", inline_user_function_return),
-        (SkipFunctionVariable, "call_function", skip_call),
-        (OptimizerVariable, "call_method", opt_call),
-        (OutputGraph, "_validate_outputs_safe_for_autograd_nodes", validate),
-        (TensorVariable, "method_backward", method_backward),
+        _inline_disabled(traceable), _skipped_calls(traceable), _init_group_traced(),
+        _return_loss_detached(), _backward_of_upstream_loss(),
     ]
 
 

@@ -96,63 +96,14 @@ class StepBinding:
         flat = [leaf for _, leaf in with_paths]
         paths = [tree_key_path(path) for path, _ in with_paths]
         args, kwargs = pytree.tree_unflatten(flat, spec)
-        modules: list[nn.Module] = []
-        optims: list[torch.optim.Optimizer] = []
-        for leaf in flat:
-            if isinstance(leaf, nn.Module) and not any(leaf is m for m in modules):
-                modules.append(leaf)
-            elif isinstance(leaf, torch.optim.Optimizer) and not any(leaf is o for o in optims):
-                optims.append(leaf)
-        if not modules:
-            raise SpmdUsageError(
-                "spmd_backend.compile: the train step received no torch.nn.Module; pass the "
-                "model as an argument, e.g. train_step(model, optim, batch)"
-            )
-        if len(modules) > 1:
-            kinds = ", ".join(type(m).__name__ for m in modules)
-            raise SpmdUsageError(
-                f"spmd_backend.compile: the train step received {len(modules)} modules ({kinds}); "
-                "exactly one is supported. Wrap them in one parent nn.Module."
-            )
-        if len(optims) > 1:
-            kinds = ", ".join(type(o).__name__ for o in optims)
-            raise SpmdUsageError(
-                f"spmd_backend.compile: the train step received {len(optims)} optimizers ({kinds}); "
-                "at most one is supported. Use one optimizer with several param groups."
-            )
-        module = modules[0]
-        optimizer = optims[0] if optims else None
+        module, optimizer = _module_and_optimizer(flat)
         unfused_groups = (unfused or {}).get(id(optimizer), frozenset())
-        if optimizer is not None:
-            check_optimizer_supported(optimizer)
-
         # one walk of the module tree serves parameters, buffers and the key's module state
         # (named_parameters/named_buffers would walk it again each)
         walk = list(module.named_modules(remove_duplicate=False))
         params, param_names = _unique_named(_members(walk, "_parameters"))
         buffers, buffer_names = _unique_named(_members(walk, "_buffers"))
-        index = {id(p): i for i, p in enumerate(params)}
-        devices = sorted({str(p.device) for p in params})
-        if len(devices) > 1:
-            raise SpmdUsageError(
-                f"spmd_backend.compile: the parameters of {type(module).__name__} are on several "
-                f"devices ({', '.join(devices)}); data parallelism needs one device per rank"
-            )
-
-        if optimizer is not None:
-            if not any(g["params"] for g in optimizer.param_groups):
-                raise SpmdUsageError(
-                    f"spmd_backend.compile: {type(optimizer).__name__} holds no parameters"
-                )
-            for g, group in enumerate(optimizer.param_groups):
-                for j, p in enumerate(group["params"]):
-                    if id(p) not in index:
-                        raise SpmdUsageError(
-                            f"spmd_backend.compile: {type(optimizer).__name__} param_groups[{g}]"
-                            f"['params'][{j}] (shape {list(p.shape)}) is not a parameter of the "
-                            f"module {type(module).__name__}; the optimizer must hold only the "
-                            "module's parameters"
-                        )
+        _check_state(module, optimizer, params)
         tracked = frozenset(
             j for j, (leaf, path) in enumerate(zip(flat, paths))
             if _is_trackable(leaf) and any(isinstance(e, tuple) and e[:1] == ("map",) for e in path)
@@ -312,6 +263,64 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
             "cannot express. Use a first-order optimizer (SGD, Adam, AdamW, ...) or run LBFGS "
             "eagerly"
         )
+
+
+def _module_and_optimizer(flat: list[Any]) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """The one module and at most one optimizer among the call's leaves (else a usage error)."""
+    modules: list[nn.Module] = []
+    optims: list[torch.optim.Optimizer] = []
+    for leaf in flat:
+        if isinstance(leaf, nn.Module) and not any(leaf is m for m in modules):
+            modules.append(leaf)
+        elif isinstance(leaf, torch.optim.Optimizer) and not any(leaf is o for o in optims):
+            optims.append(leaf)
+    if not modules:
+        raise SpmdUsageError(
+            "spmd_backend.compile: the train step received no torch.nn.Module; pass the "
+            "model as an argument, e.g. train_step(model, optim, batch)"
+        )
+    if len(modules) > 1:
+        kinds = ", ".join(type(m).__name__ for m in modules)
+        raise SpmdUsageError(
+            f"spmd_backend.compile: the train step received {len(modules)} modules ({kinds}); "
+            "exactly one is supported. Wrap them in one parent nn.Module."
+        )
+    if len(optims) > 1:
+        kinds = ", ".join(type(o).__name__ for o in optims)
+        raise SpmdUsageError(
+            f"spmd_backend.compile: the train step received {len(optims)} optimizers ({kinds}); "
+            "at most one is supported. Use one optimizer with several param groups."
+        )
+    optimizer = optims[0] if optims else None
+    if optimizer is not None:
+        check_optimizer_supported(optimizer)
+    return modules[0], optimizer
+
+
+def _check_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter]
+) -> None:
+    """One device for the parameters; the optimizer holds some, and only the module's."""
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise SpmdUsageError(
+            f"spmd_backend.compile: the parameters of {type(module).__name__} are on several "
+            f"devices ({', '.join(devices)}); data parallelism needs one device per rank"
+        )
+    if optimizer is None:
+        return
+    if not any(g["params"] for g in optimizer.param_groups):
+        raise SpmdUsageError(f"spmd_backend.compile: {type(optimizer).__name__} holds no parameters")
+    index = {id(p) for p in params}
+    for g, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in index:
+                raise SpmdUsageError(
+                    f"spmd_backend.compile: {type(optimizer).__name__} param_groups[{g}]"
+                    f"['params'][{j}] (shape {list(p.shape)}) is not a parameter of the "
+                    f"module {type(module).__name__}; the optimizer must hold only the "
+                    "module's parameters"
+                )
 
 
 def _unique_modules(walk: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
