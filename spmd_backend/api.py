@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 import torch.fx as fx
 
 from spmd_backend import pipeline
@@ -37,6 +38,7 @@ from spmd_backend.graph.meta import bucket_params
 from spmd_backend.graph.utils import emit_graph_artifact
 from spmd_backend.parallel.consistency import check_consistency, graph_signature
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
+from spmd_backend.parallel.sharded_state import install_state_dict_hooks, shard_optimizer_state
 from spmd_backend.runtime import RollbackPlan, rollback_plan, run_step
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
@@ -45,6 +47,7 @@ from spmd_backend.tracing.key import Guard, StepKey, module_state
 from spmd_backend.tracing.layout import StepLayout
 from spmd_backend.tracing.overrides import Override
 from spmd_backend.tracing.shapes import ShapeGuard
+from spmd_backend.tracing.sharding import ShardSpec, check_shardable
 from spmd_backend.tracing.trace import TracedStep, trace_train_step
 
 log = logging.getLogger(__name__)
@@ -126,6 +129,8 @@ class CompiledTrainStep:
         #: optimizer id -> param groups traced single-tensor instead of fused (see _unfuse)
         self._unfused: dict[int, frozenset[int]] = {}
         self.trace_count = 0
+        #: this rank's place in the optimizer sharding (``shard_optimizer=True``), set on first use
+        self._shard_spec: ShardSpec | None = None
         functools.update_wrapper(self, fn)
 
     # ----------------------------------------------------------------- introspection
@@ -147,6 +152,8 @@ class CompiledTrainStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         last_train_step = bool(kwargs.pop("last_train_step", False))
         binding = self._bind(args, kwargs)
+        if self._shard_state(binding):  # state loaded or created eagerly: now sharded
+            binding = self._bind(args, kwargs)
         key = binding.key()
         entry, why, guard = self._lookup(key, binding)
         if entry is None and self._unfuse(binding, guard):
@@ -173,6 +180,19 @@ class CompiledTrainStep:
         return StepBinding.from_call(
             args, kwargs, batch_dim_dynamic=self.dynamic_batch, fn=self.fn, unfused=self._unfused
         )
+
+    def _shard_state(self, binding: StepBinding) -> bool:
+        """With ``shard_optimizer``: check the optimizer, install its state-dict hooks (first
+        call) and shard any full state it holds; True when state was sharded now."""
+        opt = binding.optimizer
+        if not self.parallel_mode.shard_optimizer or opt is None:
+            return False
+        check_shardable(opt)
+        pg = self.parallel_mode.process_group()
+        if self._shard_spec is None:
+            self._shard_spec = ShardSpec(dist.get_rank(pg), dist.get_world_size(pg))
+        install_state_dict_hooks(opt, self._shard_spec, pg)
+        return shard_optimizer_state(opt, self._shard_spec)
 
     def _lookup(
         self, key: StepKey, binding: StepBinding
@@ -231,6 +251,7 @@ class CompiledTrainStep:
             mark_buffers=mode.broadcast_buffers and bool(binding.buffers),
             overrides=self.module_override,
             recompile=False,
+            shard=self._shard_spec if binding.optimizer is not None else None,
         )
         self.trace_count += 1
         after = dataclasses.replace(key, modules=module_state(binding.modules))
@@ -288,11 +309,14 @@ class CompiledTrainStep:
         if not bootstrap:
             self._cache.setdefault(key, []).append(entry)
         log.info(
-            "spmd_backend: traced %s in %.2fs (%d nodes, %d all_reduce, bootstrap=%s)",
+            "spmd_backend: traced %s in %.2fs (%d nodes, %d all_reduce, %d reduce_scatter, "
+            "%d all_gather, bootstrap=%s)",
             getattr(self.fn, "__qualname__", "train_step"),
             traced.trace_seconds,
             len(traced.gm.graph.nodes),
             expansion.all_reduces,
+            expansion.reduce_scatters,
+            expansion.all_gathers,
             bootstrap,
         )
         return entry

@@ -89,6 +89,13 @@ class PipelineConfig:
     def from_options(cls, options: Mapping[str, Any] | None, door: str) -> PipelineConfig:
         """``torch.compile(..., options=...)`` as a config; unknown keys name the valid ones."""
         options = dict(options or {})
+        if options.get("shard_optimizer"):
+            raise SpmdUsageError(
+                'backend="spmd": options={"shard_optimizer": True} is not supported by the '
+                "torch.compile door yet; sharded optimizer state is available through "
+                "spmd_backend.compile(parallel_mode=DataParallel(shard_optimizer=True))"
+            )
+        options.pop("shard_optimizer", None)
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise SpmdUsageError(

@@ -5,9 +5,10 @@
 
 On N loopback ranks (gloo on CPU, NCCL when GPUs are present) and for each workload (the seed's
 DummyModel MLP, dim 2048 x 5 layers, batch 32; a GPT-style transformer), every variant trains
-with Adam; steps are interleaved across variants so noise hits all alike. Per variant: median
-steady-state step time (after warm-up), ratio to DDP eager, first-call (compile) time, peak
-resident memory during its steps (process-wide RSS on CPU, max allocated on GPU) and exposed
+with Adam, spelled as users write it (``--optim default``: single-tensor on CPU) and tuned
+(``--optim fused``), each spelling on every side; steps are interleaved across variants so noise hits all alike. Per variant: median
+steady-state step time (after warm-up), ratio to DDP eager, first-call (compile) time, optimizer state held per rank,
+peak resident memory during its steps (process-wide RSS on CPU, max allocated on GPU) and exposed
 communication (profiled time blocked in ``wait_tensor``). In the same run: the compute-only step
 (one rank's local step without any communication) and the communication-only time (all_reduce of
 the gradient bytes in DDP's 25 MB buckets); their max is the lower bound each variant is
@@ -17,7 +18,8 @@ fresh processes, cold (an empty Inductor cache) and warm (the cache the cold run
 Writes JSON and a markdown table. A benchmark, not a test.
 
 Variants: ddp, ddp_compiled (torch.compile of the DDP model), spmd (no transformation),
-spmd_opt (graph optimization), spmd_opt_inductor (graph optimization + Inductor), spmd_dynamo
+spmd_opt (graph optimization), spmd_opt_inductor (graph optimization + Inductor), spmd_shard
+(spmd_opt_inductor with ``DataParallel(shard_optimizer=True)``), spmd_dynamo
 (``torch.compile(step, backend="spmd")``: bucketing, wait scheduling, Inductor).
 """
 
@@ -40,7 +42,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from spmd_backend.testing import run_on_ranks  # noqa: E402
 
-ALL_VARIANTS = ["ddp", "ddp_compiled", "spmd", "spmd_opt", "spmd_opt_inductor", "spmd_dynamo"]
+ALL_VARIANTS = [
+    "ddp", "ddp_compiled", "spmd", "spmd_opt", "spmd_opt_inductor", "spmd_shard", "spmd_dynamo",
+]
+#: how the optimizer is spelled on every side: as most users write it, or tuned
+OPTIMIZERS = {"default": {}, "fused": {"fused": True}}
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -135,7 +141,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _build(variant: str, build, step_fn, device):
+def _build(variant: str, build, step_fn, device, optim: str = "fused"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import spmd_backend
@@ -146,24 +152,34 @@ def _build(variant: str, build, step_fn, device):
     ids = [device.index] if device.type == "cuda" else None
     if variant in ("ddp", "ddp_compiled", "compute_only"):
         net = DDP(model, device_ids=ids) if variant != "compute_only" else model
-        fused = {"fused": True}
-        opt = torch.optim.Adam(net.parameters(), lr=1e-4, **fused)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4, **OPTIMIZERS[optim])
         fwd = torch.compile(net) if variant == "ddp_compiled" else net
-        return (lambda b: step_fn(fwd, opt, b)), net
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+        return (lambda b: step_fn(fwd, opt, b)), net, opt
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, **OPTIMIZERS[optim])
     if variant == "spmd_dynamo":
         compiled = torch.compile(step_fn, backend="spmd")
-        return (lambda b: compiled(model, opt, b)), model
+        return (lambda b: compiled(model, opt, b)), model, opt
     transformation = None
     if variant != "spmd":
         transformation = GraphModuleTransformation(
-            enable_graph_optimization=True, enable_inductor=variant == "spmd_opt_inductor"
+            enable_graph_optimization=True,
+            enable_inductor=variant in ("spmd_opt_inductor", "spmd_shard"),
         )
     step = spmd_backend.compile(
         gm_transformation=transformation,
-        parallel_mode=spmd_backend.DataParallel(reduce_op="avg"),
+        parallel_mode=spmd_backend.DataParallel(
+            reduce_op="avg", shard_optimizer=variant == "spmd_shard"
+        ),
     )(step_fn)
-    return (lambda b: step(model, opt, b)), model
+    return (lambda b: step(model, opt, b)), model, opt
+
+
+def _state_mb(opt: torch.optim.Optimizer) -> float:
+    """Optimizer state held by this rank."""
+    return sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor)
+    ) / 2**20
 
 
 def _comm_only(model: torch.nn.Module, device: torch.device, reps: int = 5) -> float:
@@ -195,7 +211,9 @@ def _exposed_comm(run, batch, device) -> float:
     return sum(e.self_cpu_time_total for e in waits) / 1e6
 
 
-def _bench_job(rank: int, world: int, names: list[str], variants: list[str], steps: int) -> dict:
+def _bench_job(
+    rank: int, world: int, names: list[str], variants: list[str], steps: int, optim: str
+) -> dict:
     import torch.distributed as dist
 
     use_cuda = torch.cuda.is_available()
@@ -207,10 +225,11 @@ def _bench_job(rank: int, world: int, names: list[str], variants: list[str], ste
         build, make_batch, step_fn = workload(name)
         runs: dict[str, Any] = {}
         first: dict[str, float] = {}
+        opts: dict[str, Any] = {}
         gen = torch.Generator().manual_seed(rank)
         batches = [make_batch(gen).to(device) for _ in range(steps + 4)]
         for v in [*variants, "compute_only"]:
-            run, model = _build(v, build, step_fn, device)
+            run, model, opts[v] = _build(v, build, step_fn, device, optim)
             dist.barrier()
             t0 = time.perf_counter()
             run(batches[0])  # a fresh optimizer: spmd's bootstrap graph
@@ -252,6 +271,7 @@ def _bench_job(rank: int, world: int, names: list[str], variants: list[str], ste
                 "peak_mem_mb": (torch.cuda.max_memory_allocated() if use_cuda else sampler.peak(windows[v])) / 2**20,
                 "exposed_comm_ms": 1e3 * exposed if exposed is not None else None,
                 "distance_to_bound": med / bound,
+                "optim_state_mb": _state_mb(opts[v]),
             }
         out[name] = res
         del runs
@@ -296,7 +316,7 @@ def _first_calls_job(rank: int, world: int, name: str, variant: str) -> float:
     build, make_batch, step_fn = workload(name)
     gen = torch.Generator().manual_seed(rank)
     batches = [make_batch(gen) for _ in range(2)]
-    run, _ = _build(variant, build, step_fn, torch.device("cpu"))
+    run, _, _ = _build(variant, build, step_fn, torch.device("cpu"))
     dist.barrier()
     t0 = time.perf_counter()
     for b in batches:
@@ -328,16 +348,17 @@ def markdown(result: dict) -> str:
     lines = [f"machine: {result['meta']['machine']}, torch {result['meta']['torch']}, "
              f"{result['meta']['ranks']} ranks ({result['meta']['backend']}), "
              f"{result['meta']['steps']} measured steps\n"]
-    for name, res in result["workloads"].items():
+    for key, res in result["workloads"].items():
+        name = key
         lines.append(f"### {name}: compute-only {res['compute_only_ms']:.1f} ms, comm-only "
                      f"{res['comm_only_ms']:.1f} ms, lower bound {res['lower_bound_ms']:.1f} ms\n")
-        lines.append("| variant | step ms | vs DDP eager | vs lower bound | first 2 calls s | peak mem MB | exposed comm ms |")
-        lines.append("|---|---|---|---|---|---|---|")
+        lines.append("| variant | step ms | vs DDP eager | vs lower bound | first 2 calls s | peak mem MB | optimizer state MB | exposed comm ms |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for v, r in res["variants"].items():
             lines.append(
                 f"| {v} | {r['step_ms']:.1f} | {_fmt(r['ratio_to_ddp'], '.2f')}x | "
                 f"{r['distance_to_bound']:.2f}x | {r['first_call_s']:.1f} | {r['peak_mem_mb']:.0f} | "
-                f"{_fmt(r['exposed_comm_ms'])} |"
+                f"{_fmt(r.get('optim_state_mb'), '.0f')} | {_fmt(r['exposed_comm_ms'])} |"
             )
         lines.append("")
     for name, per_variant in result.get("compile_times", {}).items():
@@ -364,6 +385,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--workloads", nargs="+", default=["mlp", "gpt"])
     parser.add_argument("--variants", nargs="+", default=ALL_VARIANTS)
+    parser.add_argument("--optim", nargs="+", default=["default", "fused"], choices=list(OPTIMIZERS),
+                        help="Adam as users write it (default) and/or Adam(fused=True), every side")
     parser.add_argument("--no-trace", action="store_true")
     parser.add_argument("--no-steps", action="store_true", help="skip the step-time table")
     parser.add_argument("--compile-times", nargs="*", default=None,
@@ -379,10 +402,13 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"),
         }
     }
-    result["workloads"] = {} if args.no_steps else run_on_ranks(
-        _bench_job, args.workloads, args.variants, args.steps,
-        world_size=args.ranks, timeout=3600, backend=backend,
-    )[0]
+    result["workloads"] = {}
+    for optim in [] if args.no_steps else args.optim:
+        per = run_on_ranks(
+            _bench_job, args.workloads, args.variants, args.steps, optim,
+            world_size=args.ranks, timeout=3600, backend=backend,
+        )[0]
+        result["workloads"].update({f"{name}, Adam {optim}": r for name, r in per.items()})
     if args.compile_times is not None:
         variants = args.compile_times or ["ddp_compiled", "spmd_dynamo", "spmd_opt_inductor"]
         result["compile_times"] = compile_times(args.workloads, variants, args.ranks)

@@ -172,6 +172,19 @@ def is_grad_contribution_marker(node: fx.Node) -> bool:
     return target is not None and is_call_to(node, target)
 
 
+def is_grad_shard_marker(node: fx.Node) -> bool:
+    """The tracer's ``spmd_backend.grad_shard`` marker: this rank's slice of a reduced gradient
+    (sharded optimizer state)."""
+    target = _marker("grad_shard")
+    return target is not None and is_call_to(node, target)
+
+
+def is_param_gather_marker(node: fx.Node) -> bool:
+    """The tracer's ``spmd_backend.param_gather`` marker: every rank's updated parameter shard."""
+    target = _marker("param_gather")
+    return target is not None and is_call_to(node, target)
+
+
 def is_buffer_marker(node: fx.Node) -> bool:
     """The tracer's ``spmd_backend.buffer_sync`` marker: a buffer read at the start of a step."""
     target = _marker("buffer_sync")

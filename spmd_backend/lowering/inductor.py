@@ -48,7 +48,9 @@ class InductorModule(nn.Module):
 
 
 def _flat_output_copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, Any]:
-    new = copy.deepcopy(gm)
+    # a copy of the graph, sharing gm's attributes: deep-copying the module would copy its
+    # tensor constants, and a fake one (a Dynamo graph may hold some) cannot be copied
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     out = get_output(new.graph)
     flat, spec = pytree.tree_flatten(out.args[0])
     out.args = (tuple(flat),)

@@ -14,6 +14,9 @@ optionally, ``buffer_sync`` markers) and an initialized default process group. G
   multiplies earlier micro-batches by the world size again;
 * every ``buffer_sync(b, fqn)`` becomes ``wait_tensor(broadcast(b, 0, group))`` (DDP's
   ``broadcast_buffers``: all ranks use the group's first rank's buffers);
+* ``grad_shard``/``param_gather`` markers (``shard_optimizer=True``) become reduce_scatters (or
+  slices of the all-reduced gradient) and all_gathers, see
+  :mod:`spmd_backend.parallel.shard_expansion`;
 * new nodes carry ``meta["val"]`` and the ``comm`` phase with the owning module's FQN.
 
 Sketch for one parameter ``w``::
@@ -35,6 +38,8 @@ from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, owner_of
 from spmd_backend.graph.utils import node_order
+from spmd_backend.parallel.collectives import add_collective
+from spmd_backend.parallel.shard_expansion import expand_shard_markers
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +60,10 @@ class DataParallel:
     rank, before the optimizer touches anything) when a reduced gradient holds NaN or Inf.
     ``check_consistency``: before a new graph's first collective, compare its collective schedule
     with every rank's through the store (``consistency_timeout_s``), see
-    :mod:`spmd_backend.parallel.consistency`.
+    :mod:`spmd_backend.parallel.consistency`. ``shard_optimizer``: ZeRO-style sharded optimizer
+    state: each rank keeps and updates only its 1/world share of every parameter's optimizer
+    state (gradients reduce_scattered, updated parameters all_gathered), see
+    :mod:`spmd_backend.tracing.sharding` and :mod:`spmd_backend.parallel.sharded_state`.
     """
 
     reduce_op: str = "sum"
@@ -65,6 +73,7 @@ class DataParallel:
     check_finite_grads: bool = False
     check_consistency: bool = True
     consistency_timeout_s: float = 300.0
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.reduce_op not in _REDUCE_OPS:
@@ -115,34 +124,8 @@ class ExpansionReport:
     merged_markers: int
     group_name: str
     reduce_op: str
-
-
-def add_collective(
-    graph: fx.Graph,
-    value: fx.Node,
-    target: object,
-    args: tuple,
-    *,
-    name: str,
-    owner: str | None,
-    params: list[str] | None = None,
-    before: fx.Node | None = None,
-) -> fx.Node:
-    """Insert ``wait_tensor(target(value, *args))`` (after ``value``, or before ``before``);
-    returns the wait. Both nodes get ``value``'s fake value and the ``comm`` phase; a gradient
-    all_reduce also records the parameters it carries (``spmd_bucket_params``)."""
-    where = graph.inserting_before(before) if before is not None else graph.inserting_after(value)
-    with where:
-        comm = graph.create_node("call_function", target, (value, *args), name=name)
-    with graph.inserting_after(comm):
-        wait = graph.create_node("call_function", c10d.wait_tensor.default, (comm,), name="wait_tensor")
-    for node in (comm, wait):
-        if "val" in value.meta:
-            node.meta["val"] = value.meta["val"]
-        annotate(node, fqn=owner, phase=Phase.COMM)
-    if params is not None:
-        comm.meta[BUCKET_PARAMS_KEY] = list(params)
-    return wait
+    reduce_scatters: int = 0
+    all_gathers: int = 0
 
 
 def _expand_marker(graph: fx.Graph, marker: fx.Node, target: object, args: tuple, name: str) -> fx.Node:
@@ -211,6 +194,14 @@ def expand_data_parallel(
             graph.erase_node(m)
             merged += 1
         to_reduce.append(last)
+    shards = expand_shard_markers(
+        graph, {str(m.args[1]): m for m in to_reduce}, reduce_op=mode.reduce_op,
+        group_name=group_name, allow_reduce_scatter=not mode.check_finite_grads,
+    )
+    for m in shards.consumed:
+        to_reduce.remove(m)
+        m.replace_all_uses_with(m.args[0])
+        graph.erase_node(m)
     to_reduce.extend(contributions)
     for marker in to_reduce:
         wait = _expand_marker(
@@ -229,6 +220,8 @@ def expand_data_parallel(
         merged_markers=merged,
         group_name=group_name,
         reduce_op=mode.reduce_op,
+        reduce_scatters=shards.reduce_scatters,
+        all_gathers=shards.all_gathers,
     )
     log.debug("data-parallel expansion: %s", report)
     return report

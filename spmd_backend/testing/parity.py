@@ -105,6 +105,9 @@ class ParityCase:
     #: None: ``spmd_backend.compile``; a dict: ``torch.compile(step, backend="spmd", options=...)``
     #: (``reduce_op`` is added to it)
     dynamo_options: dict[str, Any] | None = None
+    #: ``DataParallel(shard_optimizer=True)``; the optimizer state is compared through
+    #: ``state_dict()`` (full on every rank)
+    shard_optimizer: bool = False
 
     def label(self) -> str:
         t = getattr(self.transformation, "__name__", None) or (
@@ -114,6 +117,7 @@ class ParityCase:
             self.model, "describe", lambda: type(self.model).__name__
         )()
         door = "/dynamo" if self.dynamo_options is not None else ""
+        door += "/sharded" if self.shard_optimizer else ""
         return f"{model}/{self.optim.label()}/{self.reduce_op}{door}" + (f"/{t}" if t else "")
 
 
@@ -223,7 +227,9 @@ def _compiled_step(case: ParityCase, train_step: Callable[..., Any]) -> Callable
     if case.dynamo_options is None:
         return spmd_backend.compile(
             gm_transformation=case.transformation,
-            parallel_mode=DataParallel(reduce_op=case.reduce_op),
+            parallel_mode=DataParallel(
+                reduce_op=case.reduce_op, shard_optimizer=case.shard_optimizer
+            ),
         )(train_step)
     torch._dynamo.reset()
     from torch._dynamo.utils import counters

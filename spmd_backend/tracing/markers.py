@@ -13,7 +13,11 @@
     Wraps a module buffer at the start of the step (DDP's ``broadcast_buffers``); expanded to a
     broadcast from the group's first rank.
 
-All three are functional identities (they return a copy), so functionalization and fake tensors treat
+``spmd_backend::grad_shard`` and ``spmd_backend::param_gather`` (defined at the end of this
+file) carry a sharded optimizer step (:mod:`spmd_backend.tracing.sharding`): this rank's slice
+of a reduced gradient, and every rank's updated shard of a parameter.
+
+The first three are functional identities (they return a copy), so functionalization and fake tensors treat
 them like any other op. ``fqn`` is the parameter's (or buffer's) state-dict name. The
 data-parallel expansion (:mod:`spmd_backend.parallel.data_parallel`) replaces every marker.
 """
@@ -40,3 +44,45 @@ def _identity_marker(name: str) -> torch._ops.OpOverload:
 GRAD_READY = _identity_marker("grad_ready")
 GRAD_CONTRIBUTION = _identity_marker("grad_contribution")
 BUFFER_SYNC = _identity_marker("buffer_sync")
+
+
+# ---------------------------------------------------------------- sharded optimizer state
+def shard_numel(numel: int, world: int) -> int:
+    """Elements per rank of a flattened tensor of ``numel`` elements, zero-padded to a multiple
+    of ``world``."""
+    return max(1, -(-numel // world))
+
+
+def _grad_shard(grad: torch.Tensor, fqn: str, rank: int, world: int) -> torch.Tensor:
+    chunk = shard_numel(grad.numel(), world)
+    flat = torch.nn.functional.pad(grad.reshape(-1), (0, chunk * world - grad.numel()))
+    return flat[rank * chunk : (rank + 1) * chunk].clone()
+
+
+def _grad_shard_fake(grad: torch.Tensor, fqn: str, rank: int, world: int) -> torch.Tensor:
+    return grad.new_empty(shard_numel(grad.numel(), world))
+
+
+def _param_gather(shard: torch.Tensor, fqn: str, world: int) -> torch.Tensor:
+    raise RuntimeError(
+        "spmd_backend::param_gather ran unexpanded: a graph with a sharded optimizer runs only "
+        "after the data-parallel expansion replaced its markers by collectives"
+    )
+
+
+def _param_gather_fake(shard: torch.Tensor, fqn: str, world: int) -> torch.Tensor:
+    return shard.new_empty(shard.numel() * world)
+
+
+#: ``spmd_backend::grad_shard(Tensor grad, str fqn, int rank, int world) -> Tensor``: this rank's
+#: slice (``shard_numel`` elements) of the *reduced*, flattened, zero-padded gradient. Unexpanded
+#: it slices the local gradient; the expansion turns it into a reduce_scatter (or a slice of the
+#: all-reduced gradient when the full gradient is read elsewhere).
+GRAD_SHARD = torch.library.custom_op("spmd_backend::grad_shard", _grad_shard, mutates_args=())
+GRAD_SHARD.register_fake(_grad_shard_fake)
+GRAD_SHARD = torch.ops.spmd_backend.grad_shard.default
+#: ``spmd_backend::param_gather(Tensor shard, str fqn, int world) -> Tensor``: every rank's
+#: updated shard of a parameter, concatenated in rank order (an all_gather after expansion).
+PARAM_GATHER = torch.library.custom_op("spmd_backend::param_gather", _param_gather, mutates_args=())
+PARAM_GATHER.register_fake(_param_gather_fake)
+PARAM_GATHER = torch.ops.spmd_backend.param_gather.default

@@ -4,7 +4,8 @@
 lifted hyper-parameters by the trace's functional tensors, turns on ``capturable`` (tensor math,
 no ``.item()`` on step counts), pins the implementation
 :func:`~spmd_backend.tracing.hyperparams.traced_implementation` chose, and marks the optimizer
-phase while ``step()`` runs. Each param group is replaced by a
+phase while ``step()`` runs (with a :class:`~spmd_backend.tracing.sharding.ShardedStep`, on
+this rank's shards of the parameters). Each param group is replaced by a
 :class:`~spmd_backend.tracing.tracked.RecordingGroup`, so the keys the step reads become the
 graph's guards. While ``step()`` runs, a lifted value compared with zero (torch's optimizers
 branch on ``if weight_decay != 0`` and ``if momentum > 0``) answers from its real value, and
@@ -25,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from spmd_backend.tracing.dispatch import TraceContext
 from spmd_backend.tracing.hyperparams import HyperSlot, install, slot_value, traced_implementation
+from spmd_backend.tracing.sharding import ShardedStep
 from spmd_backend.tracing.tracked import ReadRecorder, RecordingGroup
 
 _T = torch._C.TensorBase
@@ -76,6 +78,7 @@ def optimizer_swapped(
     ctx: TraceContext,
     recorder: ReadRecorder,
     unfused_groups: frozenset[int] = frozenset(),
+    sharded: ShardedStep | None = None,
 ) -> Iterator[collections.defaultdict]:
     """Point the optimizer at the lifted tensors for the trace; always restore it."""
     saved_groups = list(opt.param_groups)
@@ -93,8 +96,12 @@ def optimizer_swapped(
     def pre_hook(*_: object) -> None:
         ctx.in_optimizer = True
         in_step.enter_context(zero_tests)
+        if sharded is not None:
+            sharded.enter(opt)
 
     def post_hook(*_: object) -> None:
+        if sharded is not None:
+            sharded.exit(opt)
         in_step.close()
         ctx.in_optimizer = False
 

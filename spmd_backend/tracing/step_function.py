@@ -49,6 +49,7 @@ from spmd_backend.tracing.hyperparams import HyperSlot
 from spmd_backend.tracing.layout import InputGroups, StepLayout
 from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_CONTRIBUTION, GRAD_READY
 from spmd_backend.tracing.optimizer_swap import optimizer_swapped
+from spmd_backend.tracing.sharding import ShardedStep, ShardSpec
 from spmd_backend.tracing.tracked import ReadRecorder, rebuild_tracked
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class StepFunction:
         *,
         mark_buffers: bool,
         recorder: ReadRecorder,
+        shard: ShardSpec | None = None,
     ) -> None:
         self.fn = fn
         self.binding = binding
@@ -130,6 +132,7 @@ class StepFunction:
         self.ctx = ctx
         self.mark_buffers = mark_buffers
         self.recorder = recorder
+        self.shard = shard
         self.saw_backward = False
         self.skip_flag = SkipFlag()
         opt = binding.optimizer
@@ -190,9 +193,14 @@ class StepFunction:
         for names, fb in zip(binding.buffer_names, lifted.buffers):
             mapping.update(dict.fromkeys(names, fb))
         args, kwargs = self._arguments(lifted.args)
+        sharded = None
+        if self.shard is not None:
+            names = {id(fp): n[0] for fp, n in zip(lifted.params, binding.param_names)}
+            sharded = ShardedStep(self.shard, names)
         opt_cm = (
             optimizer_swapped(opt, lifted.params, binding.param_index(), lifted.opt_state,
-                              lifted.hyper, self.ctx, self.recorder, binding.unfused_groups)
+                              lifted.hyper, self.ctx, self.recorder, binding.unfused_groups,
+                              sharded)
             if opt is not None
             else contextlib.nullcontext(None)
         )

@@ -47,6 +47,7 @@ from spmd_backend.tracing.key import Guard, hashable
 from spmd_backend.tracing.layout import StepLayout, plan_inputs
 from spmd_backend.tracing.overrides import Override, swapped_submodules
 from spmd_backend.tracing.shapes import ShapeGuard, symbolic_inputs
+from spmd_backend.tracing.sharding import ShardSpec
 from spmd_backend.tracing.step_function import StepFunction
 from spmd_backend.tracing.tracked import ReadRecorder
 
@@ -91,19 +92,22 @@ def trace_train_step(
     mark_buffers: bool = False,
     overrides: Sequence[Override] = (),
     recompile: bool = True,
+    shard: ShardSpec | None = None,
 ) -> TracedStep:
     """Trace one call of ``fn`` (bound by ``binding``) into a :class:`TracedStep`.
 
     ``recompile=False`` leaves ``gm.code`` stale (the graph itself is final) for a caller that
     edits the graph further and recompiles once; regenerating code is a large share of the
-    trace time of big graphs.
+    trace time of big graphs. ``shard``: run ``optimizer.step()`` on this rank's shards (see
+    :mod:`spmd_backend.tracing.sharding`).
     """
     t0 = time.perf_counter()
     layout, real_inputs = plan_inputs(binding)
     annotator = ModuleAnnotator(binding.module)
     ctx = TraceContext(fqn_provider=annotator.fqn, phase_provider=annotator.phase)
     recorder = ReadRecorder()
-    step = StepFunction(fn, binding, layout, ctx, mark_buffers=mark_buffers, recorder=recorder)
+    step = StepFunction(fn, binding, layout, ctx, mark_buffers=mark_buffers, recorder=recorder,
+                        shard=shard)
     symbolic = symbolic_inputs(binding, layout, real_inputs)
     try:
         with swapped_submodules(binding.module, overrides), \

@@ -1,0 +1,122 @@
+"""Expansion of the sharded-optimizer markers (:mod:`spmd_backend.tracing.sharding`) into
+collectives; part of :func:`spmd_backend.parallel.data_parallel.expand_data_parallel`.
+
+Requires: the markers of a trace with ``shard_optimizer=True`` and the last ``grad_ready``
+marker of each parameter (not yet expanded). Guarantees:
+
+* ``grad_shard(g, fqn, rank, W)`` whose input is its parameter's last ``grad_ready`` marker,
+  read by nothing else, becomes a reduce_scatter: each rank receives only its reduced slice,
+  and the marker is consumed (no all_reduce)::
+
+      before:  t_4 -> grad_ready(t_4) -> grad_shard(., rank, W) -> optimizer
+      after:   t_4 -> view(-1) -> constant_pad_nd -> reduce_scatter_tensor -> wait -> optimizer
+
+* any other ``grad_shard`` (the full gradient is read elsewhere too: ``clip_grad_norm_``, a
+  GradScaler's unscale, a ``.grad`` that outlives the step, a gradient accumulated across calls)
+  becomes a slice of the all-reduced gradient (``view``, ``constant_pad_nd``, ``slice``,
+  ``clone``), so what the step computes never depends on which path was taken;
+* ``param_gather(s, fqn, W)`` becomes ``wait_tensor(all_gather_into_tensor(s, W, group))``;
+* with ``check_finite_grads`` every gradient keeps its all_reduce (a check on one rank's slice
+  could fail on one rank only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from spmd_backend.graph import ops
+from spmd_backend.graph.meta import Phase, inherit, owner_of
+from spmd_backend.parallel.collectives import add_collective
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class ShardExpansion:
+    """What :func:`expand_shard_markers` did."""
+
+    reduce_scatters: int
+    sliced: int
+    all_gathers: int
+    #: grad_ready markers the reduce_scatters replaced (the caller must not all_reduce them)
+    consumed: frozenset[fx.Node]
+
+
+def _emit(graph: fx.Graph, target: object, args: tuple, like: fx.Node, phase: Phase) -> fx.Node:
+    """``target(*args)`` inserted before ``like`` with its fake value and ``like``'s owner."""
+    with graph.inserting_before(like):
+        node = graph.call_function(target, args)
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
+    mode = detect_fake_mode(vals)
+    if mode is not None:
+        with mode:
+            node.meta["val"] = target(*vals)
+    inherit(node, like, phase=phase)
+    return node
+
+
+def _flat_padded(
+    graph: fx.Graph, grad: fx.Node, world: int, chunk: int, like: fx.Node, phase: Phase
+) -> fx.Node:
+    val = grad.meta["val"]
+    numel = val.numel()
+    flatten = aten.view.default if val.is_contiguous() else aten.reshape.default
+    flat = _emit(graph, flatten, (grad, [-1]), like, phase)
+    if chunk * world == numel:
+        return flat
+    return _emit(graph, aten.constant_pad_nd.default, (flat, [0, chunk * world - numel], 0.0), like, phase)
+
+
+def expand_shard_markers(
+    graph: fx.Graph,
+    last_ready: dict[str, fx.Node],
+    *,
+    reduce_op: str,
+    group_name: str,
+    allow_reduce_scatter: bool,
+) -> ShardExpansion:
+    """Expand every ``grad_shard``/``param_gather`` marker of ``graph`` (see the module doc)."""
+    consumed: set[fx.Node] = set()
+    sliced = gathers = 0
+    for marker in list(graph.nodes):
+        if ops.is_param_gather_marker(marker):
+            shard, fqn, world = marker.args
+            wait = add_collective(
+                graph, shard, c10d.all_gather_into_tensor.default, (world, group_name),
+                name="all_gather", owner=owner_of(str(fqn)), before=marker,
+            )
+            wait.args[0].meta["val"] = wait.meta["val"] = marker.meta["val"]
+            marker.replace_all_uses_with(wait)
+            graph.erase_node(marker)
+            gathers += 1
+            continue
+        if not ops.is_grad_shard_marker(marker):
+            continue
+        grad, fqn, rank, world = marker.args
+        ready = last_ready.get(str(fqn))
+        chunk = marker.meta["val"].numel()
+        if allow_reduce_scatter and grad is ready and set(ready.users) == {marker}:
+            # issued where the gradient became final (as its all_reduce would be)
+            padded = _flat_padded(graph, ready.args[0], world, chunk, ready, Phase.COMM)
+            wait = add_collective(
+                graph, padded, c10d.reduce_scatter_tensor.default, (reduce_op, world, group_name),
+                name="reduce_scatter", owner=owner_of(str(fqn)), params=[str(fqn)], before=ready,
+            )
+            wait.args[0].meta["val"] = wait.meta["val"] = marker.meta["val"]
+            marker.replace_all_uses_with(wait)
+            graph.erase_node(marker)
+            consumed.add(ready)
+            continue
+        padded = _flat_padded(graph, grad, world, chunk, marker, Phase.OPTIMIZER)
+        piece = _emit(graph, aten.slice.Tensor, (padded, 0, rank * chunk, (rank + 1) * chunk),
+                      marker, Phase.OPTIMIZER)
+        copy = _emit(graph, aten.clone.default, (piece,), marker, Phase.OPTIMIZER)
+        marker.replace_all_uses_with(copy)
+        graph.erase_node(marker)
+        sliced += 1
+    return ShardExpansion(len(consumed), sliced, gathers, frozenset(consumed))

@@ -1,0 +1,94 @@
+"""The live optimizer state of ``DataParallel(shard_optimizer=True)``: shards per rank, full
+state at the optimizer's state-dict boundary.
+
+* :func:`shard_optimizer_state` replaces every full (parameter-shaped) state tensor of a sharded
+  parameter (:meth:`~spmd_backend.tracing.sharding.ShardSpec.shards`) by this rank's shard:
+  ``opt.state[p]["exp_avg"]`` then holds ``ceil(numel / world)`` elements. Scalar state
+  (``step``) stays as it is. Called before every compiled call binds its inputs (state loaded
+  or created eagerly is sharded on first use) and after ``load_state_dict``.
+* :func:`install_state_dict_hooks` makes ``opt.state_dict()`` return the full state, equal to
+  an unsharded optimizer's, on every rank (each shard all_gathered; every rank of the group must
+  call ``state_dict()``, as with FSDP's full state dict), and ``opt.load_state_dict(full)``
+  re-shard what it loaded. The live state is never modified by ``state_dict()``.
+
+Requires an initialized process group (the data-parallel group). Errors name the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spmd_backend.errors import SpmdUsageError
+from spmd_backend.tracing.sharding import ShardSpec
+
+_HOOKS_ATTR = "_spmd_sharded_state"
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters in ``state_dict`` order (param groups, then position)."""
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def shard_optimizer_state(opt: torch.optim.Optimizer, spec: ShardSpec) -> bool:
+    """Shard every full state tensor of a sharded parameter; True when something changed."""
+    changed = False
+    for i, p in enumerate(_params(opt)):
+        entries = opt.state.get(p)
+        if not entries or not spec.shards(p):
+            continue
+        for k, v in list(entries.items()):
+            if not isinstance(v, torch.Tensor) or v.dim() == 0 or spec.is_shard_of(v, p):
+                continue
+            if v.shape != p.shape:
+                raise SpmdUsageError(
+                    f"DataParallel(shard_optimizer=True): optimizer state {k!r} of parameter "
+                    f"#{i} has shape {tuple(v.shape)}, neither the parameter's "
+                    f"{tuple(p.shape)} nor a shard's ({spec.chunk(p.numel())},)"
+                )
+            with torch.no_grad():
+                entries[k] = spec.shard_of(v)
+            changed = True
+    return changed
+
+
+def _gathered(v: torch.Tensor, p: torch.Tensor, spec: ShardSpec, group: Any) -> torch.Tensor:
+    out = v.new_empty(v.numel() * spec.world)
+    dist.all_gather_into_tensor(out, v.contiguous(), group=group)
+    return out[: p.numel()].view(p.shape).clone()
+
+
+def full_state_dict(
+    opt: torch.optim.Optimizer, state_dict: dict[str, Any], spec: ShardSpec, group: Any
+) -> dict[str, Any]:
+    """``state_dict`` with every shard replaced by the full tensor (a collective)."""
+    params = _params(opt)
+    state: dict[Any, Any] = {}
+    for index, entries in state_dict["state"].items():
+        p = params[index]
+        new = dict(entries)
+        if spec.shards(p):
+            for k, v in entries.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and spec.is_shard_of(v, p):
+                    new[k] = _gathered(v, p, spec, group)
+        state[index] = new
+    return {**state_dict, "state": state}
+
+
+def install_state_dict_hooks(opt: torch.optim.Optimizer, spec: ShardSpec, group: Any) -> None:
+    """Make ``state_dict()`` full and ``load_state_dict()`` re-shard (once per optimizer)."""
+    installed = getattr(opt, _HOOKS_ATTR, None)
+    if installed is not None:
+        if installed != (spec, id(group)):
+            raise SpmdUsageError(
+                f"DataParallel(shard_optimizer=True): this {type(opt).__name__} is already "
+                f"sharded as {installed[0]} over another group; one optimizer, one sharding"
+            )
+        return
+    opt.register_state_dict_post_hook(
+        lambda o, sd: full_state_dict(o, sd, spec, group)
+    )
+    opt.register_load_state_dict_post_hook(lambda o: shard_optimizer_state(o, spec) and None)
+    setattr(opt, _HOOKS_ATTR, (spec, id(group)))
