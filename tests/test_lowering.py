@@ -87,3 +87,28 @@ def test_transformation_with_passes_and_inductor(fake_pg):
     assert "02.remove_copy_from_optimizer.after.main.graph" in files
     # the compiled graph still holds the bucketed collective (Inductor keeps it in order)
     assert any(ops.is_all_reduce(n) for n in igm._gm("main").graph.nodes)
+
+
+def test_flat_output_copy_shares_constants_instead_of_copying_them():
+    """A Dynamo graph may hold a fake tensor constant; deep-copying the module to flatten its
+    outputs raised "set the storage of a tensor on device meta" (hf GPT-2 through the Dynamo
+    door with Inductor). The copy shares attributes and leaves the original graph alone."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from spmd_backend.lowering.inductor import _flat_output_copy
+
+    root = torch.nn.Module()
+    with FakeTensorMode():
+        root.const = torch.ones(3)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    c = graph.get_attr("const")
+    y = graph.call_function(torch.ops.aten.add.Tensor, (x, c))
+    graph.output({"y": y})
+    gm = fx.GraphModule(root, graph)
+    flat, spec = _flat_output_copy(gm)
+    assert flat.const is gm.const
+    assert flat.graph is not gm.graph
+    assert isinstance(list(gm.graph.nodes)[-1].args[0], dict)  # the original keeps its outputs
+    assert torch.utils._pytree.tree_unflatten(["out"], spec) == {"y": "out"}
