@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 import torch.fx as fx
 
 from spmd_backend import pipeline
@@ -38,7 +37,7 @@ from spmd_backend.graph.meta import bucket_params
 from spmd_backend.graph.utils import emit_graph_artifact
 from spmd_backend.parallel.consistency import check_consistency, graph_signature
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
-from spmd_backend.parallel.sharded_state import install_state_dict_hooks, shard_optimizer_state
+from spmd_backend.parallel.sharded_state import prepare_sharding
 from spmd_backend.runtime import RollbackPlan, rollback_plan, run_step
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
@@ -47,7 +46,7 @@ from spmd_backend.tracing.key import Guard, StepKey, module_state
 from spmd_backend.tracing.layout import StepLayout
 from spmd_backend.tracing.overrides import Override
 from spmd_backend.tracing.shapes import ShapeGuard
-from spmd_backend.tracing.sharding import ShardSpec, check_shardable
+from spmd_backend.tracing.sharding import ShardSpec
 from spmd_backend.tracing.trace import TracedStep, trace_train_step
 
 log = logging.getLogger(__name__)
@@ -182,17 +181,12 @@ class CompiledTrainStep:
         )
 
     def _shard_state(self, binding: StepBinding) -> bool:
-        """With ``shard_optimizer``: check the optimizer, install its state-dict hooks (first
-        call) and shard any full state it holds; True when state was sharded now."""
-        opt = binding.optimizer
-        if not self.parallel_mode.shard_optimizer or opt is None:
+        """With ``shard_optimizer``: shard the optimizer's state (see sharded_state.prepare)."""
+        if not self.parallel_mode.shard_optimizer or binding.optimizer is None:
             return False
-        check_shardable(opt)
         pg = self.parallel_mode.process_group()
-        if self._shard_spec is None:
-            self._shard_spec = ShardSpec(dist.get_rank(pg), dist.get_world_size(pg))
-        install_state_dict_hooks(opt, self._shard_spec, pg)
-        return shard_optimizer_state(opt, self._shard_spec)
+        self._shard_spec, changed = prepare_sharding(binding.optimizer, pg, self._shard_spec)
+        return changed
 
     def _lookup(
         self, key: StepKey, binding: StepBinding
@@ -285,17 +279,7 @@ class CompiledTrainStep:
                 "spmd_backend: the first step creates optimizer state; running it untransformed "
                 "(the transformation applies to the steady-state graph traced next call)"
             )
-        rollback = rollback_plan(runner, traced.gm.graph, traced.layout.n_inputs)
-        if rollback.positions:
-            flat = traced.layout.gather(binding)
-            mb = sum(flat[i].numel() * flat[i].element_size() for i in rollback.positions) / 2**20
-            log.log(
-                logging.WARNING if mb >= 1.0 else logging.INFO,
-                "spmd_backend: %s writes %d input(s) (%s, %.2f MB) %s; each call snapshots "
-                "them so that a failure can restore them", self._name, len(rollback.positions),
-                ", ".join(rollback.names[:4]) + (" ..." if len(rollback.names) > 4 else ""), mb,
-                rollback.reason,
-            )
+        rollback = self._rollback_plan(runner, traced, binding)
         entry = CompiledGraph(
             key=key,
             traced=traced,
@@ -310,16 +294,26 @@ class CompiledTrainStep:
             self._cache.setdefault(key, []).append(entry)
         log.info(
             "spmd_backend: traced %s in %.2fs (%d nodes, %d all_reduce, %d reduce_scatter, "
-            "%d all_gather, bootstrap=%s)",
-            getattr(self.fn, "__qualname__", "train_step"),
-            traced.trace_seconds,
-            len(traced.gm.graph.nodes),
-            expansion.all_reduces,
-            expansion.reduce_scatters,
-            expansion.all_gathers,
-            bootstrap,
+            "%d all_gather, bootstrap=%s)", self._name, traced.trace_seconds,
+            len(traced.gm.graph.nodes), expansion.all_reduces, expansion.reduce_scatters,
+            expansion.all_gathers, bootstrap,
         )
         return entry
+
+    def _rollback_plan(self, runner: Any, traced: TracedStep, binding: StepBinding) -> RollbackPlan:
+        """What each call snapshots so that a failure can restore it (logged with its size)."""
+        rollback = rollback_plan(runner, traced.gm.graph, traced.layout.n_inputs)
+        if rollback.positions:
+            flat = traced.layout.gather(binding)
+            mb = sum(flat[i].numel() * flat[i].element_size() for i in rollback.positions) / 2**20
+            log.log(
+                logging.WARNING if mb >= 1.0 else logging.INFO,
+                "spmd_backend: %s writes %d input(s) (%s, %.2f MB) %s; each call snapshots "
+                "them so that a failure can restore them", self._name, len(rollback.positions),
+                ", ".join(rollback.names[:4]) + (" ..." if len(rollback.names) > 4 else ""), mb,
+                rollback.reason,
+            )
+        return rollback
 
     def _check_consistency(self, traced: TracedStep, mode: DataParallel) -> None:
         # the expanded graph: transformations are deterministic functions of it

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_backend.errors import SpmdUsageError
-from spmd_backend.tracing.sharding import ShardSpec
+from spmd_backend.tracing.sharding import ShardSpec, check_shardable
 
 _HOOKS_ATTR = "_spmd_sharded_state"
 
@@ -92,3 +92,15 @@ def install_state_dict_hooks(opt: torch.optim.Optimizer, spec: ShardSpec, group:
     )
     opt.register_load_state_dict_post_hook(lambda o: shard_optimizer_state(o, spec) and None)
     setattr(opt, _HOOKS_ATTR, (spec, id(group)))
+
+
+def prepare_sharding(
+    opt: torch.optim.Optimizer, group: Any, spec: ShardSpec | None
+) -> tuple[ShardSpec, bool]:
+    """Before a compiled call: refuse an optimizer sharding cannot serve, install the state-dict
+    hooks (once), shard any full state; returns this rank's spec and whether state changed."""
+    check_shardable(opt)
+    if spec is None:
+        spec = ShardSpec(dist.get_rank(group), dist.get_world_size(group))
+    install_state_dict_hooks(opt, spec, group)
+    return spec, shard_optimizer_state(opt, spec)
