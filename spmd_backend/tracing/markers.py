@@ -53,10 +53,15 @@ def shard_numel(numel: int, world: int) -> int:
     return max(1, -(-numel // world))
 
 
-def _grad_shard(grad: torch.Tensor, fqn: str, rank: int, world: int) -> torch.Tensor:
-    chunk = shard_numel(grad.numel(), world)
-    flat = torch.nn.functional.pad(grad.reshape(-1), (0, chunk * world - grad.numel()))
+def local_shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """``rank``'s slice of ``t`` flattened and zero-padded to a multiple of ``world`` (a copy)."""
+    chunk = shard_numel(t.numel(), world)
+    flat = torch.nn.functional.pad(t.reshape(-1), (0, chunk * world - t.numel()))
     return flat[rank * chunk : (rank + 1) * chunk].clone()
+
+
+def _grad_shard(grad: torch.Tensor, fqn: str, rank: int, world: int) -> torch.Tensor:
+    return local_shard(grad, rank, world)
 
 
 def _grad_shard_fake(grad: torch.Tensor, fqn: str, rank: int, world: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from spmd_backend.errors import SpmdUsageError
-from spmd_backend.tracing.markers import GRAD_SHARD, PARAM_GATHER, shard_numel
+from spmd_backend.tracing.markers import GRAD_SHARD, PARAM_GATHER, local_shard, shard_numel
 
 #: optimizers whose update is elementwise in the parameter, gradient and per-parameter state
 SHARDABLE = frozenset({
@@ -58,9 +58,7 @@ class ShardSpec:
 
     def shard_of(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``t`` flattened and zero-padded (a new tensor)."""
-        c = self.chunk(t.numel())
-        flat = torch.nn.functional.pad(t.reshape(-1), (0, c * self.world - t.numel()))
-        return flat[self.rank * c : (self.rank + 1) * c].clone()
+        return local_shard(t, self.rank, self.world)
 
     def is_shard_of(self, state: torch.Tensor, param: torch.Tensor) -> bool:
         """``state`` (of a sharded ``param``) has the shape of a shard."""
