@@ -9,7 +9,8 @@ Requires an ``fx.GraphModule`` of one training iteration. Guarantees:
 * The *setup*, *main* and *cleanup* graphs are derived from that one graph and its moves: before
   :meth:`IterGraphModule.finalize_setup` they are rebuilt on every access
   (``setup_gm``/``main_gm``/``cleanup_gm``), after it they are frozen and, when a ``lower``
-  callable was given, lowered with it.
+  callable was given, lowered with it (each once; a graph without moves is one module for
+  every kind of call).
 * Calls: ``forward(*args, last_iter=False)``. The first call of a cycle runs setup (or, if it is
   also the last, the plain graph), later calls main, a ``last_iter=True`` call cleanup, after
   which the next call starts a new cycle. :meth:`flush` runs the pending work immediately (so a
@@ -96,7 +97,11 @@ class IterGraphModule(nn.Module):
         """The graphs passes edit: the one IterGraph before finalize, the three after."""
         if self._finalized is None:
             return {"main": self._graph}
-        return {k: self._gm(k).graph for k in _STEP_KINDS if isinstance(self._gm(k), fx.GraphModule)}
+        kinds = dict.fromkeys(self._shared_kind(k) for k in _STEP_KINDS)  # each graph once
+        return {
+            "main" if k == "plain" else k: self._gm(k).graph
+            for k in kinds if isinstance(self._gm(k), fx.GraphModule)
+        }
 
     def source_graphs(self) -> dict[str, fx.Graph]:
         """The fx graphs each kind of call runs (before lowering): the one IterGraph before
@@ -113,9 +118,16 @@ class IterGraphModule(nn.Module):
         derived = self._finalized or derive(self._graph)
         return self._gm_from(derived[kind])
 
+    def _shared_kind(self, kind: str) -> str:
+        """Without moves, setup, main, cleanup and plain are one graph: built (and lowered) once."""
+        if kind != "flush" and self._finalized is not None and not self._finalized.plan.blocks:
+            return "plain"
+        return kind
+
     def _gm(self, kind: str) -> Any:
         if self._finalized is None:
             return self._derived_gm(kind)
+        kind = self._shared_kind(kind)
         if kind not in self._modules_by_kind:
             gm = self._gm_from(self._finalized[kind])
             lowered = self.lower is not None and kind != "flush"
@@ -154,8 +166,9 @@ class IterGraphModule(nn.Module):
         """Freeze the graph: derive setup/main/cleanup (and flush), lower if asked.
 
         Each derived graph is built (and its code generated) when it first runs, so finalizing a
-        large graph costs little until it is used; with a ``lower`` callable the three step
-        graphs are built and lowered here.
+        large graph costs little until it is used. With a ``lower`` callable the graphs of the
+        first two calls (setup and main) are built and lowered here, cleanup and plain when first
+        used; without moves the four are one graph, lowered once.
         """
         if self._finalized is not None:
             return
@@ -163,7 +176,7 @@ class IterGraphModule(nn.Module):
         self._graph.lint()
         self._finalized = derive(self._graph)  # validates; each graph is built on first use
         if self.lower is not None:
-            for kind in _STEP_KINDS:
+            for kind in ("setup", "main"):
                 self._gm(kind)
         log.info(
             "IterGraphModule finalized in %.2fs: %d moved block(s), %d carried value(s)%s",

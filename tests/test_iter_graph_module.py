@@ -207,13 +207,34 @@ def test_lowering_is_injected_and_applied_to_the_step_graphs_only():
     igm = IterGraphModule(toy_step_graph(), lower=lower)
     igm.graph.move_to_next_iter_before(b_update(igm), named(igm, "xb"))
     igm.finalize_setup()
-    assert len(lowered) == 3, "setup, main and cleanup are lowered when finalized"
-    assert sum(any(p.startswith("carry") for p in ph) for ph in lowered) == 2  # main, cleanup
+    assert len(lowered) == 2, "the graphs of the first two calls are lowered when finalized"
+    assert [any(p.startswith("carry") for p in ph) for ph in lowered] == [False, True]
     w, b, _ = run(igm, 3, last=False)
     igm.flush()  # the flush graph runs unlowered
-    assert len(lowered) == 3
+    assert len(lowered) == 2
     torch.testing.assert_close(w, ref_w)
     torch.testing.assert_close(b, ref_b)
+    run(igm, 3, last=True)  # cleanup, lowered when first used
+    assert len(lowered) == 3 and any(p.startswith("carry") for p in lowered[-1])
+
+
+def test_a_graph_without_moves_is_lowered_once_for_every_kind_of_call():
+    lowered = []
+
+    def lower(gm):
+        lowered.append(gm)
+        return gm
+
+    ref_w, ref_b, ref_out = run(toy_step_graph(), 4)
+    igm = IterGraphModule(toy_step_graph(), lower=lower)
+    igm.finalize_setup()
+    w, b, out = run(igm, 4, last=True)  # setup, main, main, cleanup
+    run(igm, 1, last=True)  # plain
+    assert len(lowered) == 1
+    assert list(igm.iter_graphs()) == ["main"]  # a pass would edit the one graph once
+    torch.testing.assert_close(w, ref_w)
+    torch.testing.assert_close(b, ref_b)
+    torch.testing.assert_close(out, ref_out)
 
 
 def test_enable_inductor_is_the_upstream_spelling_of_lower():
