@@ -169,6 +169,7 @@ def spmd_dynamo_backend(
     _warn_on_recompiles(gm)
     if config.parallel.broadcast_buffers:
         graphs.mark_buffers(gm, inputs)
+    graphs.functionalize_fused_optimizers(gm)
     if graphs.autograd_grad_calls(gm.graph):
         marked = graphs.mark_gradients(gm, inputs)
         counters["spmd"]["whole_step_graphs"] += 1

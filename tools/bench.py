@@ -309,14 +309,14 @@ def _trace_job(rank: int, world: int, layers: int) -> dict:
     }
 
 
-def _first_calls_job(rank: int, world: int, name: str, variant: str) -> float:
+def _first_calls_job(rank: int, world: int, name: str, variant: str, optim: str) -> float:
     """Seconds of a fresh process's first two calls (compile, state creation, recompile)."""
     import torch.distributed as dist
 
     build, make_batch, step_fn = workload(name)
     gen = torch.Generator().manual_seed(rank)
     batches = [make_batch(gen) for _ in range(2)]
-    run, _, _ = _build(variant, build, step_fn, torch.device("cpu"))
+    run, _, _ = _build(variant, build, step_fn, torch.device("cpu"), optim)
     dist.barrier()
     t0 = time.perf_counter()
     for b in batches:
@@ -324,19 +324,22 @@ def _first_calls_job(rank: int, world: int, name: str, variant: str) -> float:
     return time.perf_counter() - t0
 
 
-def compile_times(names: list[str], variants: list[str], ranks: int) -> dict[str, Any]:
+def compile_times(names: list[str], variants: list[str], ranks: int,
+                  optims: list[str]) -> dict[str, Any]:
     """First two calls per variant in fresh processes: cold (empty Inductor cache), then warm."""
     import tempfile
 
     out: dict[str, Any] = {}
     for name in names:
-        out[name] = {}
-        for v in variants:
-            cache = tempfile.mkdtemp(prefix="bench_inductor_")
-            env = {"TORCHINDUCTOR_CACHE_DIR": cache}
-            cold = run_on_ranks(_first_calls_job, name, v, world_size=ranks, env=env, timeout=1800)
-            warm = run_on_ranks(_first_calls_job, name, v, world_size=ranks, env=env, timeout=1800)
-            out[name][v] = {"cold_s": max(cold), "warm_s": max(warm)}
+        for optim in optims:
+            key = f"{name}, Adam {optim}"
+            out[key] = {}
+            for v in variants:
+                cache = tempfile.mkdtemp(prefix="bench_inductor_")
+                env = {"TORCHINDUCTOR_CACHE_DIR": cache}
+                runs = [run_on_ranks(_first_calls_job, name, v, optim, world_size=ranks, env=env,
+                                     timeout=1800) for _ in ("cold", "warm")]
+                out[key][v] = {"cold_s": max(runs[0]), "warm_s": max(runs[1])}
     return out
 
 
@@ -411,7 +414,7 @@ def main() -> None:
         result["workloads"].update({f"{name}, Adam {optim}": r for name, r in per.items()})
     if args.compile_times is not None:
         variants = args.compile_times or ["ddp_compiled", "spmd_dynamo", "spmd_opt_inductor"]
-        result["compile_times"] = compile_times(args.workloads, variants, args.ranks)
+        result["compile_times"] = compile_times(args.workloads, variants, args.ranks, args.optim)
     if not args.no_trace:
         result["trace12"] = run_on_ranks(_trace_job, 12, world_size=args.ranks, timeout=1800)[0]
         result["trace24"] = run_on_ranks(_trace_job, 24, world_size=args.ranks, timeout=1800)[0]

@@ -145,6 +145,40 @@ def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> int:
     return count
 
 
+def functionalize_fused_optimizers(gm: fx.GraphModule) -> int:
+    """``torch._fused_adam_(params, grads, ...)`` (and AdamW's, SGD's, Adagrad's) as the
+    functional aten kernel plus ``copy_`` into each list it mutates: AOTAutograd cannot
+    functionalize the in-place kernel (an empty ``max_exp_avg_sqs`` list fails), and the
+    pipeline's lowering decomposes the functional one. Returns the number of kernels rewritten."""
+    import spmd_backend.tracing.fused_optim  # noqa: F401 - meta kernels of the functional ops
+
+    by_name = {(op._opname, op._overloadname): op for op in ops.FUSED_INPLACE_TO_FUNCTIONAL}
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        name = getattr(node.target, "__name__", "")
+        if node.op != "call_function" or node.target is not getattr(torch, name, None):
+            continue
+        lr_kind = "tensor_lr" if isinstance(node.kwargs.get("lr"), fx.Node) else "default"
+        overload = by_name.get((name, lr_kind))
+        if overload is None:
+            continue
+        functional, mutated = ops.FUSED_INPLACE_TO_FUNCTIONAL[overload]
+        with graph.inserting_before(node):
+            out = graph.call_function(functional, node.args, dict(node.kwargs))
+            for i in range(mutated):
+                results = graph.call_function(operator.getitem, (out, i))
+                for j, dst in enumerate(node.args[i]):
+                    src = graph.call_function(operator.getitem, (results, j))
+                    graph.call_function(torch.Tensor.copy_, (dst, src))
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
 def mark_buffers(gm: fx.GraphModule, inputs: DynamoInputs) -> int:
     """``buf.copy_(buffer_sync(buf, fqn))`` at the start for every buffer the graph reads (DDP's
     ``broadcast_buffers``; the data-parallel expansion turns it into a broadcast)."""

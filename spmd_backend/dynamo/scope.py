@@ -16,7 +16,10 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
 * lets ``return loss`` return a detached loss instead of restarting the frame (the compile door
   returns plain tensors too);
 * turns a ``loss.backward()`` whose loss came from an earlier graph into a graph break (torch
-  2.13 silently skips such a backward under ``trace_autograd_ops``: no gradients, no error).
+  2.13 silently skips such a backward under ``trace_autograd_ops``: no gradients, no error);
+* traces the fused optimizers (``_fused_adam``...) Dynamo otherwise skips;
+* creates a fresh optimizer's state before the frame is traced
+  (:mod:`spmd_backend.dynamo.fresh_state`), so a step compiles once instead of twice.
 
 Scoping: :func:`install` wraps ``torch._dynamo.convert_frame.compile_frame`` (the function
 Dynamo calls for every frame, resume frames included) with a pass-through that enters the scope
@@ -38,6 +41,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from spmd_backend.dynamo import fresh_state
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +84,14 @@ def _original(fn: Any) -> Any:
 
 def _optimizer_functions() -> set[Any]:
     """The disabled optimizer functions the scope lets Dynamo trace."""
+    import sys
+
     out = {_original(torch.optim.Optimizer.zero_grad)}
     for cls in vars(torch.optim).values():
+        module = sys.modules.get(getattr(cls, "__module__", ""))
+        fused = getattr(module, f"_fused_{module.__name__.rsplit('.', 1)[-1]}", None) if module else None
+        if fused is not None:  # Dynamo skips fused optimizers; the pipeline lowers them
+            out.add(_original(fused))
         if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer):
             init_group = cls.__dict__.get("_init_group")
             if init_group is not None:
@@ -268,7 +279,14 @@ def install() -> bool:
         if not _is_whole_step_backend(compiler_fn):
             return original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
         with whole_step_scope():
-            return original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
+            created = fresh_state.create_fresh_state(
+                fresh_state.optimizers_of_frame(code, locals, globals, closure)
+            )
+            try:
+                return original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
+            except BaseException:
+                fresh_state.remove_state(created)
+                raise
 
     convert_frame.compile_frame = compile_frame
     _state["installed"] = True
