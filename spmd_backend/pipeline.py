@@ -108,6 +108,7 @@ class PipelineConfig:
             broadcast_buffers=bool(options.pop("broadcast_buffers", True)),
             sync_module_states=bool(options.pop("sync_module_states", True)),
             check_finite_grads=bool(options.pop("check_finite_grads", False)),
+            gradient_compression=options.pop("gradient_compression", None),
         )
         passes = options.pop("passes", None)
         skip = options.pop("skip_passes", ())
@@ -133,7 +134,7 @@ class PipelineConfig:
 #: the keys ``torch.compile(..., backend="spmd", options=...)`` accepts
 OPTION_NAMES: tuple[str, ...] = (
     "reduce_op", "process_group", "broadcast_buffers", "sync_module_states", "check_finite_grads",
-    "bucket_size_mb", "passes", "skip_passes", "inductor", "dump_graphs",
+    "gradient_compression", "bucket_size_mb", "passes", "skip_passes", "inductor", "dump_graphs",
 )
 
 

@@ -23,7 +23,13 @@ aten = torch.ops.aten
 #: DDP's default gradient bucket cap (MiB); the one place the backend writes it
 DEFAULT_BUCKET_SIZE_MB = 25.0
 
-#: ops that only repackage a collective's input or output (bucketing's flatten/cat/split/view)
+#: casts and the pre-division of a compressed gradient collective (DDP's compression hooks)
+COMPRESSION_TARGETS = frozenset(
+    {torch.ops.prims.convert_element_type.default, aten.div.Tensor}
+)
+
+#: ops that only repackage a collective's input or output (bucketing's flatten/cat/split/view,
+#: compression's casts)
 PACKING_TARGETS = frozenset(
     {
         aten.view.default,
@@ -31,8 +37,19 @@ PACKING_TARGETS = frozenset(
         aten.cat.default,
         aten.split_with_sizes.default,
         aten.clone.default,
+        *COMPRESSION_TARGETS,
     }
 )
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A gradient all_reduce done in a lower precision, as DDP's ``bf16_compress_hook`` and
+    ``fp16_compress_hook`` do: cast to ``dtype``, divide by ``divisor`` (the world size, for a
+    mean; ``None`` for a sum), all_reduce with ``sum``, cast back."""
+
+    dtype: torch.dtype
+    divisor: int | None
 
 
 def _is_packing(node: fx.Node) -> bool:
@@ -62,6 +79,13 @@ class CommBlock:
     @property
     def node_list(self) -> list[fx.Node]:
         return [*self.pre_nodes, self.comm_node, self.wait_node, *self.tail_nodes]
+
+    @property
+    def unfused(self) -> bool:
+        """One gradient's collective as the expansion made it (at most compression casts
+        around it; no bucketing flatten/cat/split)."""
+        extra = [*self.pre_nodes, *self.tail_nodes]
+        return all(n.target in COMPRESSION_TARGETS for n in extra) and len(self.inputs) == 1
 
 
 def _reduce_op(node: fx.Node) -> str | None:

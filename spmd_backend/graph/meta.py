@@ -32,6 +32,8 @@ import torch.fx as fx
 FQN_KEY = "spmd_fqn"
 PHASE_KEY = "spmd_phase"
 BUCKET_PARAMS_KEY = "spmd_bucket_params"
+#: on a compressed gradient all_reduce: its :class:`~spmd_backend.graph.comm.Compression`
+COMPRESSION_KEY = "spmd_compression"
 INPUT_KIND_KEY = "spmd_input"
 
 

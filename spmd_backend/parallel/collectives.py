@@ -1,9 +1,12 @@
 """Insert one functional collective and its ``wait_tensor`` into a graph, annotated.
 
 The one builder every expansion uses (:mod:`spmd_backend.parallel.data_parallel`,
-:mod:`spmd_backend.parallel.shard_expansion`). Guarantees: both nodes carry the input's fake
-value (callers whose collective changes the shape overwrite it) and the ``comm`` phase with the
-owning module's FQN; a gradient collective records the parameters it carries.
+:mod:`spmd_backend.parallel.shard_expansion`) and bucketing reuses for compression. Guarantees:
+both nodes carry the input's fake value (callers whose collective changes the shape overwrite
+it) and the ``comm`` phase with the owning module's FQN; a gradient collective records the
+parameters it carries. :func:`add_compressed_all_reduce` wraps the all_reduce in DDP's
+compression-hook casts (cast, pre-divide, sum, cast back), all in the ``comm`` phase, and records
+the :class:`~spmd_backend.graph.comm.Compression` on the collective.
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate
+from spmd_backend.graph.comm import Compression
+from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, COMPRESSION_KEY, Phase, annotate
+from spmd_backend.graph.utils import fake_mode_of, propagate_val
 
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+convert = torch.ops.prims.convert_element_type.default
 
 
 def add_collective(
@@ -42,3 +49,44 @@ def add_collective(
     if params is not None:
         comm.meta[BUCKET_PARAMS_KEY] = list(params)
     return wait
+
+
+def compress(graph: fx.Graph, value: fx.Node, compression: Compression, owner: str | None,
+             *, before: fx.Node | None = None) -> fx.Node:
+    """``value`` cast to the compression dtype and pre-divided (after ``value``, or before
+    ``before``)."""
+    fake_mode = fake_mode_of(graph)
+    where = graph.inserting_before(before) if before is not None else graph.inserting_after(value)
+    with where:
+        out = graph.call_function(convert, (value, compression.dtype))
+    nodes = [out]
+    if compression.divisor is not None:
+        with graph.inserting_after(out):
+            out = graph.call_function(aten.div.Tensor, (out, compression.divisor))
+        nodes.append(out)
+    for node in nodes:
+        annotate(node, fqn=owner, phase=Phase.COMM)
+        propagate_val(node, fake_mode)
+    return out
+
+
+def decompress(graph: fx.Graph, wait: fx.Node, dtype: torch.dtype, owner: str | None) -> fx.Node:
+    """``wait`` cast back to the gradient's ``dtype``, inserted after it."""
+    with graph.inserting_after(wait):
+        back = graph.call_function(convert, (wait, dtype))
+    annotate(back, fqn=owner, phase=Phase.COMM)
+    propagate_val(back, fake_mode_of(graph))
+    return back
+
+
+def add_compressed_all_reduce(
+    graph: fx.Graph, value: fx.Node, compression: Compression, group_name: str, *,
+    owner: str | None, params: list[str], before: fx.Node,
+) -> fx.Node:
+    """``cast back(wait(all_reduce(compress(value), "sum")))`` before ``before``; returns the
+    cast back."""
+    packed = compress(graph, value, compression, owner, before=before)
+    wait = add_collective(graph, packed, c10d.all_reduce.default, ("sum", group_name),
+                          name="all_reduce", owner=owner, params=params)
+    wait.args[0].meta[COMPRESSION_KEY] = compression
+    return decompress(graph, wait, value.meta["val"].dtype, owner)

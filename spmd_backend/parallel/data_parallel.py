@@ -36,15 +36,17 @@ import torch.fx as fx
 
 from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
 from spmd_backend.graph import ops
+from spmd_backend.graph.comm import Compression
 from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, owner_of
 from spmd_backend.graph.utils import node_order
-from spmd_backend.parallel.collectives import add_collective
+from spmd_backend.parallel.collectives import add_collective, add_compressed_all_reduce
 from spmd_backend.parallel.shard_expansion import expand_shard_markers
 
 log = logging.getLogger(__name__)
 
 c10d = torch.ops._c10d_functional
 _REDUCE_OPS = ("sum", "avg")
+_COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class DataParallel:
     state: each rank keeps and updates only its 1/world share of every parameter's optimizer
     state (gradients reduce_scattered, updated parameters all_gathered), see
     :mod:`spmd_backend.tracing.sharding` and :mod:`spmd_backend.parallel.sharded_state`.
+    ``gradient_compression``: ``"bf16"`` or ``"fp16"`` to all_reduce gradients in that precision
+    with the semantics of DDP's ``bf16_compress_hook``/``fp16_compress_hook`` (cast, divide by
+    the world size for ``avg``, sum, cast back); ``None`` (default) reduces in the gradients'
+    own dtype.
     """
 
     reduce_op: str = "sum"
@@ -74,12 +80,31 @@ class DataParallel:
     check_consistency: bool = True
     consistency_timeout_s: float = 300.0
     shard_optimizer: bool = False
+    gradient_compression: str | None = None
 
     def __post_init__(self) -> None:
         if self.reduce_op not in _REDUCE_OPS:
             raise SpmdUsageError(
                 f"DataParallel(reduce_op={self.reduce_op!r}): expected one of {_REDUCE_OPS}"
             )
+        if self.gradient_compression is not None:
+            if self.gradient_compression not in _COMPRESSION_DTYPES:
+                raise SpmdUsageError(
+                    f"DataParallel(gradient_compression={self.gradient_compression!r}): expected "
+                    f"None or one of {sorted(_COMPRESSION_DTYPES)}"
+                )
+            if self.shard_optimizer:
+                raise SpmdUsageError(
+                    "DataParallel: gradient_compression with shard_optimizer=True is not "
+                    "supported yet (the reduce_scatter is not compressed); use one of them"
+                )
+
+    def compression(self) -> Compression | None:
+        """The gradient all_reduce's :class:`Compression` (``None``: uncompressed)."""
+        if self.gradient_compression is None:
+            return None
+        divisor = self.process_group().size() if self.reduce_op == "avg" else None
+        return Compression(_COMPRESSION_DTYPES[self.gradient_compression], divisor)
 
     def process_group(self) -> dist.ProcessGroup:
         """The process group collectives run on (checked to exist)."""
@@ -139,11 +164,24 @@ def _expand_marker(graph: fx.Graph, marker: fx.Node, target: object, args: tuple
     return wait
 
 
+def _expand_compressed(graph: fx.Graph, marker: fx.Node, compression: Compression,
+                       group_name: str) -> fx.Node:
+    fqn = str(marker.args[1])
+    out = add_compressed_all_reduce(graph, marker.args[0], compression, group_name,
+                                    owner=owner_of(fqn), params=[fqn], before=marker)
+    marker.replace_all_uses_with(out)
+    graph.erase_node(marker)
+    return out
+
+
 def _insert_finite_check(graph: fx.Graph, wait: fx.Node) -> None:
     """``assert all(isfinite(grad))`` just before the gradient's first use (the optimizer), so
     a failing step updates nothing, and late enough not to pin the wait (or a bucket formed
     later) early in the graph."""
-    fqn = ",".join(wait.args[0].meta.get(BUCKET_PARAMS_KEY, ())) or wait.name
+    comm = wait.args[0]  # the collective (through a compression cast back and its wait)
+    while isinstance(comm, fx.Node) and not ops.is_collective(comm) and comm.args:
+        comm = comm.args[0]
+    fqn = ",".join(getattr(comm, "meta", {}).get(BUCKET_PARAMS_KEY, ())) or wait.name
     aten = torch.ops.aten
     order = node_order(graph)
     first_use = min(wait.users, key=order.__getitem__) if wait.users else wait.next
@@ -203,10 +241,14 @@ def expand_data_parallel(
         m.replace_all_uses_with(m.args[0])
         graph.erase_node(m)
     to_reduce.extend(contributions)
+    compression = mode.compression()
     for marker in to_reduce:
-        wait = _expand_marker(
-            graph, marker, c10d.all_reduce.default, (mode.reduce_op, group_name), "all_reduce"
-        )
+        if compression is not None:
+            wait = _expand_compressed(graph, marker, compression, group_name)
+        else:
+            wait = _expand_marker(
+                graph, marker, c10d.all_reduce.default, (mode.reduce_op, group_name), "all_reduce"
+            )
         if mode.check_finite_grads:
             _insert_finite_check(graph, wait)
     for m in buffer_markers:

@@ -9,6 +9,10 @@ bucket becomes flatten -> cat -> one all_reduce -> wait -> split -> a view per g
 where its last gradient becomes ready, so the relative order of collectives is kept. New nodes
 are named by fx (``all_reduce_default``, ``all_reduce_default_1``, ...), carry ``meta["val"]``,
 the ``comm`` phase and ``meta["spmd_bucket_params"]`` (the parameter FQNs they carry).
+Compressed collectives (``DataParallel(gradient_compression=...)``: cast, pre-divide, sum, cast
+back) are bucketed with their kind only, and the bucket is compressed as a whole: flatten -> cat
+-> cast -> divide -> all_reduce -> wait -> cast back -> split (elementwise, so the numerics are
+those of one gradient at a time, as in DDP's hook on its own buckets).
 An absent pattern (no unfused gradient all_reduce) is a logged no-op.
 
 ::
@@ -28,9 +32,17 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from spmd_backend.graph.comm import CommBlock, get_all_comm_blocks
-from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, bucket_params, owner_of
+from spmd_backend.graph.comm import CommBlock, Compression, get_all_comm_blocks
+from spmd_backend.graph.meta import (
+    BUCKET_PARAMS_KEY,
+    COMPRESSION_KEY,
+    Phase,
+    annotate,
+    bucket_params,
+    owner_of,
+)
 from spmd_backend.graph.utils import fake_mode_of, node_order, propagate_val, tensor_nbytes
+from spmd_backend.parallel.collectives import compress, decompress
 from spmd_backend.pass_manager import declare_pass
 
 log = logging.getLogger(__name__)
@@ -50,10 +62,16 @@ class Bucket:
     group: str
     reduce_op: str
     dtype: torch.dtype
+    compression: Compression | None = None
 
 
 def _grad(block: CommBlock) -> fx.Node:
-    return block.comm_node.args[0]  # type: ignore[return-value]
+    """The gradient a single-gradient block reduces (before any compression cast)."""
+    return block.inputs[0]
+
+
+def _compression(block: CommBlock) -> Compression | None:
+    return block.comm_node.meta.get(COMPRESSION_KEY)
 
 
 def plan_buckets(graph: fx.Graph, bucket_size_mb: float) -> list[Bucket]:
@@ -64,26 +82,31 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float) -> list[Bucket]:
     planned: list[tuple[int, Bucket]] = []
     closed: set[tuple] = set()  # keys whose first (1 MiB) bucket is closed, as in DDP
     for block in get_all_comm_blocks(graph):
-        if block.pre_nodes or block.tail_nodes:
+        if not block.unfused:
             continue  # already fused
         val = _grad(block).meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        key = (block.group, block.reduce_op, val.dtype, val.device)
+        key = (block.group, block.reduce_op, val.dtype, val.device, _compression(block))
         members = open_buckets.setdefault(key, [])
         members.append(block)
         sizes[key] = sizes.get(key, 0) + tensor_nbytes(val)
         limit = cap if key in closed else FIRST_BUCKET_BYTES
         if sizes[key] >= limit:
             closed.add(key)
-            planned.append((len(planned), Bucket(tuple(members), sizes[key], key[0], key[1], key[2])))
+            planned.append((len(planned), Bucket(tuple(members), sizes[key], *_kind(key))))
             open_buckets[key] = []
             sizes[key] = 0
     for key, members in open_buckets.items():
         if members:
-            planned.append((len(planned), Bucket(tuple(members), sizes[key], key[0], key[1], key[2])))
+            planned.append((len(planned), Bucket(tuple(members), sizes[key], *_kind(key))))
     order = node_order(graph)
     return [b for _, b in sorted(planned, key=lambda ib: order[ib[1].blocks[-1].comm_node])]
+
+
+def _kind(key: tuple) -> tuple:
+    group, reduce_op, dtype, _, compression = key
+    return group, reduce_op, dtype, compression
 
 
 def _common_prefix(fqns: list[str]) -> str | None:
@@ -120,9 +143,15 @@ def _fuse(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node:
             flat_op = aten.view.default if val.is_contiguous() else aten.reshape.default
             flats.append(emit(flat_op, (g, [-1])))
         packed = emit(aten.cat.default, (flats,)) if len(flats) > 1 else flats[0]
+        if bucket.compression is not None:
+            packed = compress(graph, packed, bucket.compression, fqn)
         comm = emit(c10d.all_reduce.default, (packed, bucket.reduce_op, bucket.group))
         comm.meta[BUCKET_PARAMS_KEY] = params
+        if bucket.compression is not None:
+            comm.meta[COMPRESSION_KEY] = bucket.compression
         wait = emit(c10d.wait_tensor.default, (comm,))
+        if bucket.compression is not None:
+            wait = decompress(graph, wait, bucket.dtype, fqn)
         sizes = [_grad(b).meta["val"].numel() for b in blocks]
         if len(blocks) > 1:
             split = emit(aten.split_with_sizes.default, (wait, sizes))
@@ -132,10 +161,10 @@ def _fuse(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node:
         for b, piece in zip(blocks, pieces):
             shape = list(_grad(b).meta["val"].shape)
             view = emit(aten.view.default, (piece, shape))
-            b.wait_node.replace_all_uses_with(view)
+            b.outputs[0].replace_all_uses_with(view)
     for b in blocks:
-        graph.erase_node(b.wait_node)
-        graph.erase_node(b.comm_node)
+        for node in reversed(b.node_list):
+            graph.erase_node(node)
     return comm
 
 
