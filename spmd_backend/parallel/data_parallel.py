@@ -4,7 +4,8 @@ Requires a graph from :func:`spmd_backend.tracing.trace.trace_train_step` (``gra
 optionally, ``buffer_sync`` markers) and an initialized default process group. Guarantees:
 
 * every ``grad_ready(g, fqn)`` marker is replaced, at the same position (where the gradient
-  became final in the backward), by ``wait_tensor(all_reduce(g, op, group))``; a parameter
+  became final in the backward), by ``wait_tensor(all_reduce(g, "sum", group))`` (for ``avg``,
+  of ``g * (1 / world)``: DDP's own arithmetic, which scales before it sums); a parameter
   whose gradient is accumulated over several backward calls is reduced once, at its last
   accumulation. Parameters without a gradient get no collective (DDP with
   ``find_unused_parameters`` leaves them untouched as well);
@@ -38,7 +39,7 @@ from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.comm import Compression
 from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, owner_of
-from spmd_backend.graph.utils import node_order
+from spmd_backend.graph.utils import fake_mode_of, node_order, propagate_val
 from spmd_backend.parallel.collectives import add_collective, add_compressed_all_reduce
 from spmd_backend.parallel.shard_expansion import expand_shard_markers
 
@@ -164,6 +165,17 @@ def _expand_marker(graph: fx.Graph, marker: fx.Node, target: object, args: tuple
     return wait
 
 
+def _prescale(graph: fx.Graph, marker: fx.Node, world: int) -> None:
+    """DDP's mean: the gradient times ``1 / world`` before a sum (DDP multiplies while copying
+    into its bucket; bucketing puts this multiplication into the packing kernel)."""
+    grad = marker.args[0]
+    with graph.inserting_before(marker):
+        scaled = graph.call_function(torch.ops.aten.mul.Tensor, (grad, 1.0 / world))
+    annotate(scaled, fqn=owner_of(str(marker.args[1])), phase=Phase.COMM)
+    propagate_val(scaled, fake_mode_of(graph))
+    marker.replace_input_with(grad, scaled)
+
+
 def _expand_compressed(graph: fx.Graph, marker: fx.Node, compression: Compression,
                        group_name: str) -> fx.Node:
     fqn = str(marker.args[1])
@@ -242,12 +254,15 @@ def expand_data_parallel(
         graph.erase_node(m)
     to_reduce.extend(contributions)
     compression = mode.compression()
+    world = mode.process_group().size()
     for marker in to_reduce:
         if compression is not None:
             wait = _expand_compressed(graph, marker, compression, group_name)
         else:
+            if mode.reduce_op == "avg":
+                _prescale(graph, marker, world)
             wait = _expand_marker(
-                graph, marker, c10d.all_reduce.default, (mode.reduce_op, group_name), "all_reduce"
+                graph, marker, c10d.all_reduce.default, ("sum", group_name), "all_reduce"
             )
         if mode.check_finite_grads:
             _insert_finite_check(graph, wait)
