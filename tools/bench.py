@@ -14,7 +14,10 @@ communication (profiled time blocked in ``wait_tensor``). In the same run: the c
 the gradient bytes in DDP's 25 MB buckets); their max is the lower bound each variant is
 compared with. Also: trace time of a 12-layer GPT's first calls and the pass-pipeline time on a
 24-layer graph, and (``--compile-times``) the first two calls of each compiling variant in
-fresh processes, cold (an empty Inductor cache) and warm (the cache the cold run filled).
+fresh processes, cold (an empty Inductor cache) and warm (the cache the cold run filled), and
+(``--memory``) each variant's resident memory per rank in its own processes. Per variant, one
+profiled step is split by category (compute, exposed communication, optimizer, packing and
+copies, Python/runtime overhead; see ``CATEGORIES``).
 Writes JSON and a markdown table. A benchmark, not a test.
 
 Variants: ddp, ddp_compiled (torch.compile of the DDP model), spmd (no transformation),
@@ -212,14 +215,37 @@ def _comm_only(model: torch.nn.Module, device: torch.device, reps: int = 5) -> f
     return statistics.median(times)
 
 
-def _exposed_comm(run, batch, device) -> float:
+#: profiler event name fragments per category, first match wins (a fused Inductor kernel is
+#: named after the ops it fuses: "cpp_fused_cat_sum_threshold_backward" counts as packing)
+CATEGORIES = (
+    ("comm", ("wait_tensor", "allreduce", "all_reduce", "reduce_scatter", "all_gather",
+              "allgather", "broadcast")),
+    ("optimizer", ("fused_adam", "optimizer.step", "_foreach_", "lerp", "sqrt", "adam")),
+    ("packing", ("cat", "split", "copy", "aten::mul", "div_", "_to_copy")),
+    ("overhead", ("call compiledfxgraph", "aotdispatcher", "runtime wrapper")),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for category, fragments in CATEGORIES:
+        if any(f in low for f in fragments):
+            return category
+    return "compute"
+
+
+def _breakdown(run, batch, device) -> dict[str, float]:
+    """Self CPU seconds of one profiled step by category (CATEGORIES; the rest is compute).
+    comm is the time the step spent in collectives and waiting for them: exposed, not total."""
     from torch.profiler import profile
 
     with profile() as prof:
         run(batch)
         _sync(device)
-    waits = [e for e in prof.key_averages() if "wait_tensor" in e.key]
-    return sum(e.self_cpu_time_total for e in waits) / 1e6
+    out = {c: 0.0 for c in ("compute", "comm", "optimizer", "packing", "overhead")}
+    for e in prof.key_averages():
+        out[_category(e.key)] += e.self_cpu_time_total / 1e6
+    return out
 
 
 def _bench_job(
@@ -231,6 +257,9 @@ def _bench_job(
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if not use_cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True  # one profiler event per kernel
     out: dict[str, Any] = {}
     for name in names:
         build, make_batch, step_fn = workload(name)
@@ -272,9 +301,8 @@ def _bench_job(
         ddp_med = statistics.median(times["ddp"]) if "ddp" in times else None
         for v in variants:
             med = statistics.median(times[v])
-            exposed = _exposed_comm(runs[v], batches[1], device) if v.startswith("spmd") else None
-            if v == "spmd_dynamo" and exposed == 0:
-                exposed = None  # Inductor's waits are not separate profiler events here
+            parts = _breakdown(runs[v], batches[1], device)
+            exposed = parts["comm"]
             res["variants"][v] = {
                 "step_ms": 1e3 * med,
                 "ratio_to_ddp": med / ddp_med if ddp_med else None,
@@ -283,6 +311,7 @@ def _bench_job(
                 "exposed_comm_ms": 1e3 * exposed if exposed is not None else None,
                 "distance_to_bound": med / bound,
                 "optim_state_mb": _state_mb(opts[v]),
+                "breakdown_ms": {k: 1e3 * t for k, t in parts.items()},
             }
         out[name] = res
         del runs
@@ -335,6 +364,45 @@ def _first_calls_job(rank: int, world: int, name: str, variant: str, optim: str)
     return time.perf_counter() - t0
 
 
+def _memory_job(rank: int, world: int, name: str, variant: str, optim: str, steps: int) -> dict:
+    """Resident memory of one variant alone in a fresh process: the peak during steady steps
+    (after the two calls that compile) and the process's lifetime peak (compilation included)."""
+    import resource
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    build, make_batch, step_fn = workload(name)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [make_batch(gen) for _ in range(steps + 2)]
+    run, _, _ = _build(variant, build, step_fn, torch.device("cpu"), optim)
+    for b in batches[:2]:
+        run(b)
+    dist.barrier()
+    with RssSampler(period=0.002) as sampler:
+        t0 = time.perf_counter()
+        for b in batches[2:]:
+            run(b)
+        t1 = time.perf_counter()
+    return {"steady_peak_mb": sampler.peak([(t0, t1)]) / 2**20,
+            "lifetime_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def memory(names: list[str], variants: list[str], ranks: int, optims: list[str],
+           steps: int = 5) -> dict[str, Any]:
+    """Peak resident memory per rank, each variant in its own processes (the larger rank)."""
+    out: dict[str, Any] = {}
+    for name in names:
+        for optim in optims:
+            key = f"{name}, Adam {optim}"
+            out[key] = {}
+            for v in variants:
+                per_rank = run_on_ranks(_memory_job, name, v, optim, steps, world_size=ranks,
+                                        timeout=1800)
+                out[key][v] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    return out
+
+
 def compile_times(names: list[str], variants: list[str], ranks: int,
                   optims: list[str]) -> dict[str, Any]:
     """First two calls per variant in fresh processes: cold (empty Inductor cache), then warm."""
@@ -375,12 +443,31 @@ def markdown(result: dict) -> str:
                 f"{_fmt(r.get('optim_state_mb'), '.0f')} | {_fmt(r['exposed_comm_ms'])} |"
             )
         lines.append("")
+        lines.append("Where the time goes (one profiled step, self CPU ms by category):\n")
+        lines.append("| variant | compute | exposed comm | optimizer | packing/copies | overhead |")
+        lines.append("|---|---|---|---|---|---|")
+        for v, r in res["variants"].items():
+            b = r.get("breakdown_ms") or {}
+            lines.append(f"| {v} | " + " | ".join(
+                _fmt(b.get(k)) for k in ("compute", "comm", "optimizer", "packing", "overhead")
+            ) + " |")
+        lines.append("")
     for name, per_variant in result.get("compile_times", {}).items():
         lines.append(f"### {name}: first two calls in a fresh process, s\n")
         lines.append("| variant | cold Inductor cache | warm cache |")
         lines.append("|---|---|---|")
         for v, t in per_variant.items():
             lines.append(f"| {v} | {t['cold_s']:.1f} | {t['warm_s']:.1f} |")
+        lines.append("")
+    for name, per_variant in result.get("memory", {}).items():
+        lines.append(f"### {name}: resident memory per rank, each variant in its own processes, MB\n")
+        lines.append("| variant | steady steps peak | vs ddp | lifetime peak (compile included) |")
+        lines.append("|---|---|---|---|")
+        base = per_variant.get("ddp", {}).get("steady_peak_mb")
+        for v, m in per_variant.items():
+            ratio = m["steady_peak_mb"] / base if base else None
+            lines.append(f"| {v} | {m['steady_peak_mb']:.0f} | {_fmt(ratio, '.2f')}x | "
+                         f"{m['lifetime_peak_mb']:.0f} |")
         lines.append("")
     for key in ("trace12", "trace24"):
         t = result.get(key)
@@ -405,6 +492,8 @@ def main() -> None:
     parser.add_argument("--no-steps", action="store_true", help="skip the step-time table")
     parser.add_argument("--compile-times", nargs="*", default=None,
                         help="variants whose first calls to time in fresh processes")
+    parser.add_argument("--memory", nargs="*", default=None,
+                        help="variants whose resident memory to measure, each in its own processes")
     parser.add_argument("--out", default="out/bench.json")
     parser.add_argument("--md", default="out/bench.md")
     args = parser.parse_args()
@@ -426,6 +515,9 @@ def main() -> None:
     if args.compile_times is not None:
         variants = args.compile_times or ["ddp_compiled", "spmd_dynamo", "spmd_opt_inductor"]
         result["compile_times"] = compile_times(args.workloads, variants, args.ranks, args.optim)
+    if args.memory is not None:
+        variants = args.memory or ["ddp", "spmd_opt_inductor", "spmd_shard"]
+        result["memory"] = memory(args.workloads, variants, args.ranks, args.optim)
     if not args.no_trace:
         result["trace12"] = run_on_ranks(_trace_job, 12, world_size=args.ranks, timeout=1800)[0]
         result["trace24"] = run_on_ranks(_trace_job, 24, world_size=args.ranks, timeout=1800)[0]
