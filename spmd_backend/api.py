@@ -35,6 +35,7 @@ from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import bucket_params
 from spmd_backend.graph.utils import emit_graph_artifact
+from spmd_backend.memory import release_freed_heap
 from spmd_backend.parallel.consistency import check_consistency, graph_signature
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
 from spmd_backend.parallel.sharded_state import prepare_sharding
@@ -292,6 +293,7 @@ class CompiledTrainStep:
         )
         if not bootstrap:
             self._cache.setdefault(key, []).append(entry)
+        release_freed_heap()  # what tracing and compiling freed (hundreds of MB) back to the OS
         log.info(
             "spmd_backend: traced %s in %.2fs (%d nodes, %d all_reduce, %d reduce_scatter, "
             "%d all_gather, bootstrap=%s)", self._name, traced.trace_seconds,

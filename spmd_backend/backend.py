@@ -37,6 +37,7 @@ from spmd_backend.dynamo import audit, graphs, scope
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase
+from spmd_backend.memory import release_freed_heap
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
 
@@ -174,7 +175,9 @@ def spmd_dynamo_backend(
         marked = graphs.mark_gradients(gm, inputs)
         counters["spmd"]["whole_step_graphs"] += 1
         log.info('backend="spmd": whole-step graph with %d gradient(s)', marked)
-        return _compile_aot(gm, example_inputs, config, inputs, whole_step=True)
+        compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=True)
+        release_freed_heap()
+        return compiled
     if any(p.requires_grad for p in inputs.params.values()):
         counters["spmd"]["per_graph_graphs"] += 1
         if counters["spmd"]["fallback_logged"] == 0:
@@ -185,7 +188,9 @@ def spmd_dynamo_backend(
                 "region raises. A model free of graph breaks (torch._dynamo.explain lists them; "
                 "a logging call is one) lets one graph hold the whole step", _fallback_reason(),
             )
-    return _compile_aot(gm, example_inputs, config, inputs, whole_step=False)
+    compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=False)
+    release_freed_heap()
+    return compiled
 
 
 scope.mark_whole_step(spmd_dynamo_backend)
