@@ -34,6 +34,12 @@ CASES = {
                                     gradient_compression="fp16", transformation=_bucketed),
     "bf16-sum-adam-bucketed": ParityCase("mlp", OptimSpec("adam", "foreach", lr=1e-3), steps=4,
                                          gradient_compression="bf16", transformation=_bucketed),
+    "bf16-avg-hf-gpt2-bucketed": ParityCase("hf_gpt2", SGD, steps=3, reduce_op="avg",
+                                            gradient_compression="bf16", transformation=_bucketed),
+    # SGD: Adam turns a one-ulp fp16 rounding flip of a near-zero gradient (the traced and the
+    # eager encoder round their fp32 gradients differently) into a full lr-sized step
+    "fp16-avg-torch-encoder": ParityCase("torch_encoder", SGD, steps=3, reduce_op="avg",
+                                         gradient_compression="fp16"),
     "bf16-dynamo": ParityCase("mlp", SGD, steps=4, reduce_op="avg", gradient_compression="bf16",
                               dynamo_options={"inductor": False}),
 }
