@@ -171,14 +171,12 @@ def spmd_dynamo_backend(
     if config.parallel.broadcast_buffers:
         graphs.mark_buffers(gm, inputs)
     graphs.functionalize_fused_optimizers(gm)
-    if graphs.autograd_grad_calls(gm.graph):
+    whole_step = bool(graphs.autograd_grad_calls(gm.graph))
+    if whole_step:
         marked = graphs.mark_gradients(gm, inputs)
         counters["spmd"]["whole_step_graphs"] += 1
         log.info('backend="spmd": whole-step graph with %d gradient(s)', marked)
-        compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=True)
-        release_freed_heap()
-        return compiled
-    if any(p.requires_grad for p in inputs.params.values()):
+    elif any(p.requires_grad for p in inputs.params.values()):
         counters["spmd"]["per_graph_graphs"] += 1
         if counters["spmd"]["fallback_logged"] == 0:
             counters["spmd"]["fallback_logged"] += 1
@@ -188,10 +186,9 @@ def spmd_dynamo_backend(
                 "region raises. A model free of graph breaks (torch._dynamo.explain lists them; "
                 "a logging call is one) lets one graph hold the whole step", _fallback_reason(),
             )
-    compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=False)
-    release_freed_heap()
+    compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=whole_step)
+    release_freed_heap()  # what tracing and compiling freed, back to the OS
     return compiled
-
 
 scope.mark_whole_step(spmd_dynamo_backend)
 

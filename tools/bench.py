@@ -39,6 +39,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -159,12 +160,9 @@ def _build(variant: str, build, step_fn, device, optim: str = "fused"):
     if variant in ("ddp", "ddp_compiled", "compute_only", "ddp_bf16"):
         net = DDP(model, device_ids=ids) if variant != "compute_only" else model
         if variant == "ddp_bf16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            from spmd_backend.testing.parity import register_compression_hook
 
-            def hook(state, bucket):  # DDP refuses the hook by name off NCCL; gloo runs it
-                return default_hooks.bf16_compress_hook(state, bucket)
-
-            net.register_comm_hook(None, hook)
+            register_compression_hook(net, "bf16")
         opt = torch.optim.Adam(net.parameters(), lr=1e-4, **OPTIMIZERS[optim])
         fwd = torch.compile(net) if variant == "ddp_compiled" else net
         return (lambda b: step_fn(fwd, opt, b)), net, opt
@@ -388,19 +386,24 @@ def _memory_job(rank: int, world: int, name: str, variant: str, optim: str, step
             "lifetime_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def _per_variant(names: list[str], optims: list[str], variants: list[str],
+                 measure: Callable[[str, str, str], dict[str, float]]) -> dict[str, Any]:
+    """``{"<name>, Adam <optim>": {variant: measure(name, variant, optim)}}``."""
+    return {
+        f"{name}, Adam {optim}": {v: measure(name, v, optim) for v in variants}
+        for name in names for optim in optims
+    }
+
+
 def memory(names: list[str], variants: list[str], ranks: int, optims: list[str],
            steps: int = 5) -> dict[str, Any]:
     """Peak resident memory per rank, each variant in its own processes (the larger rank)."""
-    out: dict[str, Any] = {}
-    for name in names:
-        for optim in optims:
-            key = f"{name}, Adam {optim}"
-            out[key] = {}
-            for v in variants:
-                per_rank = run_on_ranks(_memory_job, name, v, optim, steps, world_size=ranks,
-                                        timeout=1800)
-                out[key][v] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-    return out
+
+    def measure(name: str, v: str, optim: str) -> dict[str, float]:
+        per_rank = run_on_ranks(_memory_job, name, v, optim, steps, world_size=ranks, timeout=1800)
+        return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+
+    return _per_variant(names, optims, variants, measure)
 
 
 def compile_times(names: list[str], variants: list[str], ranks: int,
@@ -408,18 +411,13 @@ def compile_times(names: list[str], variants: list[str], ranks: int,
     """First two calls per variant in fresh processes: cold (empty Inductor cache), then warm."""
     import tempfile
 
-    out: dict[str, Any] = {}
-    for name in names:
-        for optim in optims:
-            key = f"{name}, Adam {optim}"
-            out[key] = {}
-            for v in variants:
-                cache = tempfile.mkdtemp(prefix="bench_inductor_")
-                env = {"TORCHINDUCTOR_CACHE_DIR": cache}
-                runs = [run_on_ranks(_first_calls_job, name, v, optim, world_size=ranks, env=env,
-                                     timeout=1800) for _ in ("cold", "warm")]
-                out[key][v] = {"cold_s": max(runs[0]), "warm_s": max(runs[1])}
-    return out
+    def measure(name: str, v: str, optim: str) -> dict[str, float]:
+        env = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="bench_inductor_")}
+        cold, warm = (run_on_ranks(_first_calls_job, name, v, optim, world_size=ranks, env=env,
+                                   timeout=1800) for _ in range(2))
+        return {"cold_s": max(cold), "warm_s": max(warm)}
+
+    return _per_variant(names, optims, variants, measure)
 
 
 def _fmt(x: Any, spec: str = ".1f") -> str:

@@ -37,6 +37,7 @@ import functools
 import inspect
 import itertools
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,8 +85,6 @@ def _original(fn: Any) -> Any:
 
 def _optimizer_functions() -> set[Any]:
     """The disabled optimizer functions the scope lets Dynamo trace."""
-    import sys
-
     out = {_original(torch.optim.Optimizer.zero_grad)}
     for cls in vars(torch.optim).values():
         module = sys.modules.get(getattr(cls, "__module__", ""))

@@ -100,11 +100,12 @@ class DataParallel:
                     "supported yet (the reduce_scatter is not compressed); use one of them"
                 )
 
-    def compression(self) -> Compression | None:
-        """The gradient all_reduce's :class:`Compression` (``None``: uncompressed)."""
+    def compression(self, world: int) -> Compression | None:
+        """The gradient all_reduce's :class:`Compression` on a group of ``world`` ranks
+        (``None``: uncompressed)."""
         if self.gradient_compression is None:
             return None
-        divisor = self.process_group().size() if self.reduce_op == "avg" else None
+        divisor = world if self.reduce_op == "avg" else None
         return Compression(_COMPRESSION_DTYPES[self.gradient_compression], divisor)
 
     def process_group(self) -> dist.ProcessGroup:
@@ -253,8 +254,8 @@ def expand_data_parallel(
         m.replace_all_uses_with(m.args[0])
         graph.erase_node(m)
     to_reduce.extend(contributions)
-    compression = mode.compression()
     world = mode.process_group().size()
+    compression = mode.compression(world)
     for marker in to_reduce:
         if compression is not None:
             wait = _expand_compressed(graph, marker, compression, group_name)

@@ -157,6 +157,21 @@ def make_train_step(entry: ModelEntry) -> Callable[..., torch.Tensor]:
     return train_step
 
 
+def register_compression_hook(ddp: DDP, kind: str) -> None:
+    """Register DDP's own ``bf16_compress_hook``/``fp16_compress_hook`` (``kind``: ``"bf16"`` or
+    ``"fp16"``) on ``ddp``, through a wrapper: DDP refuses the bf16 hook by name unless NCCL is
+    in use, though gloo reduces bfloat16 fine."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch_hook = {"bf16": default_hooks.bf16_compress_hook,
+                  "fp16": default_hooks.fp16_compress_hook}[kind]
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        return torch_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+
+
 def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResult:
     """Train a compiled step and DDP side by side; assert they agree (run on every rank)."""
     entry = MODELS[case.model] if isinstance(case.model, str) else case.model
@@ -165,17 +180,7 @@ def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResu
     ref_model = copy.deepcopy(model)
     ddp = DDP(ref_model, find_unused_parameters=entry.find_unused_parameters)
     if case.gradient_compression is not None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        torch_hook = {"bf16": default_hooks.bf16_compress_hook,
-                      "fp16": default_hooks.fp16_compress_hook}[case.gradient_compression]
-
-        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-            # DDP's own hook, called through a wrapper: DDP refuses to register the bf16 hook
-            # by name unless NCCL is in use, though gloo reduces bfloat16 fine
-            return torch_hook(state, bucket)
-
-        ddp.register_comm_hook(None, hook)
+        register_compression_hook(ddp, case.gradient_compression)
     opt, sched = case.optim.build(model)
     ref_opt, ref_sched = case.optim.build(ref_model, reference=True)
 
