@@ -1,7 +1,8 @@
 """GraphModuleTransformation: the compile door's face over the one pipeline.
 
 ``GraphModuleTransformation(enable_graph_optimization=False, enable_inductor=False,
-dump_graphs=False, bucket_size_mb=25, extra_passes=(), skip_passes=())`` is the seed's
+dump_graphs=False, bucket_size_mb=25, extra_passes=(), skip_passes=(), background_compile=None)``
+is the seed's
 transformation: called with the expanded step graph, it runs
 :func:`spmd_backend.pipeline.transform` (IterGraphModule, the default passes through a
 PassManager when graph optimization is enabled, Inductor when enabled) with a
@@ -28,7 +29,8 @@ class GraphModuleTransformation:
 
     ``bucket_size_mb``: bucket cap of comm_fusion_with_concat; ``extra_passes``: more passes
     (or ``(pass, kwargs)`` pairs) for the manager, ordered with the default ones by their
-    declarations; ``skip_passes``: names to skip.
+    declarations; ``skip_passes``: names to skip; ``background_compile``: compile with
+    Inductor in a background process while the fx graph runs (None: the pipeline's default).
     """
 
     def __init__(
@@ -40,7 +42,9 @@ class GraphModuleTransformation:
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
         extra_passes: Sequence[object] = (),
         skip_passes: Iterable[str] = (),
+        background_compile: bool | None = None,
     ) -> None:
+        more = {} if background_compile is None else {"background_compile": background_compile}
         self.config = PipelineConfig(
             optimize=enable_graph_optimization,
             bucket_size_mb=bucket_size_mb,
@@ -48,6 +52,7 @@ class GraphModuleTransformation:
             skip_passes=tuple(skip_passes),
             inductor=enable_inductor,
             dump_graphs=bool(dump_graphs),
+            **more,
         )
         self.pass_records: list[PassRecord] = []
 

@@ -17,7 +17,10 @@
 :class:`PipelineConfig` is the one configuration, each default written once here:
 ``reduce_op`` (the compile door keeps the upstream SUM contract, the Dynamo door replaces DDP
 and averages: :data:`DEFAULT_REDUCE_OP`), bucket cap (DDP's 25 MB), passes, skipped passes,
-Inductor, dump folder, process group and DDP's buffer/state broadcasts. Both doors build it
+Inductor (compiled in a background process while the fx graph runs, or blocking:
+``background_compile``, default from ``SPMD_BACKEND_BACKGROUND_COMPILE``, see
+:mod:`spmd_backend.lowering.background`), dump folder, process group and DDP's buffer/state
+broadcasts. Both doors build it
 through the same validation (:meth:`PipelineConfig.from_options` for ``torch.compile``'s
 ``options``; :class:`~spmd_backend.gm_transformation.GraphModuleTransformation` for the
 compile door's transformation).
@@ -26,6 +29,7 @@ compile door's transformation).
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,13 +41,22 @@ from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph.comm import DEFAULT_BUCKET_SIZE_MB
 from spmd_backend.graph.utils import dump_graphs_to_files
 from spmd_backend.iter_graph_module import IterGraphModule
-from spmd_backend.lowering import lower_to_inductor
+from spmd_backend.lowering import lower_in_background, lower_to_inductor
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport, expand_data_parallel
 from spmd_backend.parallel.state_sync import sync_module_states
 from spmd_backend.pass_manager import PassManager, PassRecord, pass_spec_of
 from spmd_backend.passes import default_pipeline
 
 log = logging.getLogger(__name__)
+
+#: environment variable that sets the default of ``background_compile`` ("0": blocking compiles)
+BACKGROUND_COMPILE_ENV = "SPMD_BACKEND_BACKGROUND_COMPILE"
+
+
+def _env_flag(name: str, default: bool = True) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "")
+
 
 #: the reduction each front door uses unless told otherwise (the compile door's is DataParallel's
 #: own default, the upstream SUM contract; the Dynamo door replaces DDP, which averages)
@@ -68,12 +81,17 @@ class PipelineConfig:
     extra_passes: tuple[Any, ...] = ()
     skip_passes: tuple[str, ...] = ()
     inductor: bool = False
+    background_compile: bool = field(default_factory=lambda: _env_flag(BACKGROUND_COMPILE_ENV))
     dump_graphs: str | bool = False
 
     def __post_init__(self) -> None:
         bucket = self.bucket_size_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket <= 0:
             raise SpmdUsageError(f"bucket_size_mb must be a positive number, got {bucket!r}")
+        if not isinstance(self.background_compile, bool):
+            raise SpmdUsageError(
+                f"background_compile must be True or False, got {self.background_compile!r}"
+            )
         if not isinstance(self.parallel, DataParallel):
             raise SpmdUsageError(
                 f"expected a DataParallel, got {type(self.parallel).__qualname__}"
@@ -118,12 +136,21 @@ class PipelineConfig:
             passes=None if passes is None else tuple(passes),
             skip_passes=tuple(skip),
             inductor=bool(options.pop("inductor", True)),
+            **({"background_compile": options.pop("background_compile")}
+               if "background_compile" in options else {}),
             dump_graphs=options.pop("dump_graphs", False) or False,
         )
 
     @property
     def dump_folder(self) -> str | None:
         return self.dump_graphs if isinstance(self.dump_graphs, str) else None
+
+    def lowering(self) -> Any:
+        """The lowering callable for IterGraphModule: None (the fx graph runs), the blocking
+        Inductor compile, or the background one."""
+        if not self.inductor:
+            return None
+        return lower_in_background if self.background_compile else lower_to_inductor
 
     def pass_list(self, with_optimizer: bool = True) -> list[Any]:
         """The passes to run on a graph (with or without the optimizer in it)."""
@@ -134,7 +161,8 @@ class PipelineConfig:
 #: the keys ``torch.compile(..., backend="spmd", options=...)`` accepts
 OPTION_NAMES: tuple[str, ...] = (
     "reduce_op", "process_group", "broadcast_buffers", "sync_module_states", "check_finite_grads",
-    "gradient_compression", "bucket_size_mb", "passes", "skip_passes", "inductor", "dump_graphs",
+    "gradient_compression", "bucket_size_mb", "passes", "skip_passes", "inductor",
+    "background_compile", "dump_graphs",
 )
 
 
@@ -168,7 +196,7 @@ def transform(
     prefix = f"{tag}." if tag else ""
     if folder:
         dump_graphs_to_files({f"{prefix}traced": gm.graph}, folder)
-    igm = IterGraphModule(gm, lower=lower_to_inductor if config.inductor else None)
+    igm = IterGraphModule(gm, lower=config.lowering())
     records: list[PassRecord] = []
     if config.optimize:
         manager = PassManager(config.pass_list(with_optimizer), skip=config.skip_passes,

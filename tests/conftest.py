@@ -7,6 +7,9 @@ import pathlib
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_REPO / ".cache" / "inductor"))
+# tests that lower with Inductor check Inductor's code from the first step (and do not spend the
+# suite's two cores on workers); tests/test_background_compile.py turns the background compile on
+os.environ.setdefault("SPMD_BACKEND_BACKGROUND_COMPILE", "0")
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -70,26 +70,42 @@ def example_inputs(gm: fx.GraphModule) -> list[Any]:
     return vals
 
 
-def lower_to_inductor(gm: fx.GraphModule) -> nn.Module:
-    """Compile ``gm`` with Inductor; see the module docstring."""
-    from torch._inductor.compile_fx import compile_fx
-
+def flat_for_inductor(gm: fx.GraphModule) -> tuple[fx.GraphModule, Any]:
+    """The copy of ``gm`` Inductor compiles (flat outputs, fused optimizer kernels decomposed)
+    and the spec that nests its outputs back."""
     flat_gm, spec = _flat_output_copy(gm)
     decompose_fused_optimizers(flat_gm)
-    inputs = example_inputs(flat_gm)
+    return flat_gm, spec
+
+
+def compile_flat(flat_gm: fx.GraphModule, spec: Any, source: fx.GraphModule,
+                 inputs: list[Any]) -> InductorModule:
+    """Compile a :func:`flat_for_inductor` copy; raises what Inductor raises."""
+    from torch._inductor.compile_fx import compile_fx
+
     t0 = time.perf_counter()
+    compiled = compile_fx(flat_gm, inputs)
+    seconds = time.perf_counter() - t0
+    log.info("Inductor compiled a %d-node graph in %.1fs", len(source.graph.nodes), seconds)
+    return InductorModule(compiled, spec, source, seconds)
+
+
+def lower_to_inductor(gm: fx.GraphModule) -> nn.Module:
+    """Compile ``gm`` with Inductor; see the module docstring."""
+    flat_gm, spec = flat_for_inductor(gm)
     try:
-        compiled = compile_fx(flat_gm, inputs)
+        return compile_flat(flat_gm, spec, gm, example_inputs(flat_gm))
+    except SpmdGraphError:
+        raise
     except Exception as e:  # noqa: BLE001 - fall back to the fx graph, loudly
         log.warning(
             "Inductor could not compile the step graph (%s: %s); running the fx graph instead",
             type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "",
         )
         return gm
-    seconds = time.perf_counter() - t0
-    log.info("Inductor compiled a %d-node graph in %.1fs", len(gm.graph.nodes), seconds)
-    return InductorModule(compiled, spec, gm, seconds)
 
 
-__all__ = ["InductorModule", "example_inputs", "lower_to_inductor"]
+__all__ = [
+    "InductorModule", "compile_flat", "example_inputs", "flat_for_inductor", "lower_to_inductor",
+]
 

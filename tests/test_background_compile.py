@@ -1,0 +1,178 @@
+"""Background compile: the fx graph runs while a worker process compiles it with Inductor.
+
+Single process: the switch (outputs equal, state, the worker's cache entry used), a worker that
+fails (the fx graph goes on, one warning), the fallbacks to a blocking compile and the option's
+validation. Two gloo ranks: the ranks switch on the same call, train as DDP does and stay
+bit-for-bit replicas; a worker that fails on one rank keeps both on the fx graph.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from spmd_backend.errors import SpmdUsageError
+from spmd_backend.lowering import InductorModule, background, pending, wait_for_background
+from spmd_backend.lowering.background import BackgroundLowered, lower_in_background
+from spmd_backend.pipeline import PipelineConfig
+
+
+def _graph():
+    def f(x, y):
+        return (x * 2 + y).relu().sum(0), x - y
+
+    return make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(4, 3))
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(4, 3, generator=gen), torch.randn(4, 3, generator=gen)
+
+
+def _call_until_decided(module, *args, calls: int = 3):
+    outs = [module(*args) for _ in range(2)]  # the second call starts the worker
+    wait_for_background(timeout=600)
+    outs += [module(*args) for _ in range(calls - 2)]
+    return outs
+
+
+def test_switches_to_inductor_after_the_worker_finished():
+    gm = _graph()
+    module = lower_in_background(gm)
+    assert isinstance(module, BackgroundLowered)
+    x, y = _inputs()
+    expected = gm(x, y)
+    module(x, y)
+    assert module.state == "compiling" and pending() == 0  # no worker before the second call
+    module(x, y)
+    assert pending() == 1
+    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+    wait_for_background(timeout=600)
+    out = module(x, y)
+    assert module.state == "compiled" and module.switched_at_call == 2 and pending() == 0
+    assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] == hits + 1
+    for a, b in zip(out, expected):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_failed_worker_leaves_the_fx_graph_running(monkeypatch, caplog):
+    monkeypatch.setattr(background, "WORKER_MODULE", "spmd_backend.lowering.no_such_worker")
+    gm = _graph()
+    module = lower_in_background(gm)
+    x, y = _inputs()
+    with caplog.at_level(logging.WARNING, logger="spmd_backend.lowering.background"):
+        outs = _call_until_decided(module, x, y, calls=4)
+    assert module.state == "failed" and pending() == 0
+    assert "no_such_worker" in caplog.text
+    for out in outs:
+        for a, b in zip(out, gm(x, y)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_falls_back_to_a_blocking_compile_without_the_fx_graph_cache(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    assert isinstance(lower_in_background(_graph()), InductorModule)
+
+
+def test_inputs_sharing_storage_compile_blocking():
+    vals = [torch.empty(4)]
+    vals.append(vals[0].view(2, 2))
+    assert background._input_specs(vals) is None
+    assert background._input_specs([torch.empty(4), 3]) is not None
+
+
+def test_option_is_validated_and_read_from_the_environment(monkeypatch):
+    with pytest.raises(SpmdUsageError, match="background_compile"):
+        PipelineConfig.from_options({"background_compile": "yes"}, "dynamo")
+    assert PipelineConfig.from_options({"background_compile": False}, "dynamo").lowering() is (
+        background.lower_to_inductor
+    )
+    monkeypatch.setenv("SPMD_BACKEND_BACKGROUND_COMPILE", "1")
+    assert PipelineConfig(inductor=True).lowering() is lower_in_background
+    monkeypatch.setenv("SPMD_BACKEND_BACKGROUND_COMPILE", "0")
+    assert PipelineConfig(inductor=True).background_compile is False
+    assert PipelineConfig(inductor=False).lowering() is None
+
+
+# --------------------------------------------------------------------------- two ranks
+def _train(rank: int, world: int, fail_on_rank: int | None) -> dict:
+    worker = background.WORKER_MODULE
+    if rank == fail_on_rank:
+        background.WORKER_MODULE = "spmd_backend.lowering.no_such_worker"
+    try:
+        return _train_steps(rank, world)
+    finally:
+        background.WORKER_MODULE = worker
+
+
+def _train_steps(rank: int, world: int) -> dict:
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spmd_backend
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+    from spmd_backend.testing.models import MLP
+    from spmd_backend.testing.steps import train_step
+
+    before = set(background._LIVE)
+    torch.manual_seed(0)
+    model = MLP(8, 16, 3, 4)
+    ref = DDP(copy.deepcopy(model))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    step = spmd_backend.compile(
+        gm_transformation=GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=True, background_compile=True),
+        parallel_mode=spmd_backend.DataParallel(reduce_op="avg"),
+    )(train_step)
+    gen = torch.Generator().manual_seed(rank)
+    states = []
+    # rank 0 waits for its worker after step 2, rank 1 after step 4: on step 3 rank 0 is ready
+    # and rank 1 (whose worker started a moment before) is not, so the ranks switch together on
+    # step 4 or 5, never rank 0 alone on step 3
+    wait_after = 2 if rank == 0 else 4
+    for i in range(8):
+        batch = torch.randn(8, 8, generator=gen)
+        step(model, opt, batch)
+        train_step(ref, ref_opt, batch)
+        states.append(pending())
+        if i == wait_after:
+            wait_for_background(timeout=600)
+    modules = [m for m in list(background._LIVE) if m not in before and m.calls]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return {
+        "states": [m.state for m in modules], "switched": [m.switched_at_call for m in modules],
+        "pending": states, "replicas_equal": all(torch.equal(g, flat) for g in gathered),
+        "ddp_diff": diff,
+    }
+
+
+@pytest.mark.multirank
+def test_ranks_switch_on_the_same_call_and_match_ddp(rank_pool):
+    results = rank_pool.run(_train, None)
+    # the step graph is first called on step 1 (step 0 runs the fresh optimizer's graph): its
+    # call count at the switch is 3 (step 4) or 4 (step 5)
+    assert results[0]["switched"] == results[1]["switched"]
+    assert results[0]["switched"][0] in (3, 4), results
+    for r in results:
+        assert r["states"] == ["compiled"], r
+        assert r["replicas_equal"]
+        assert r["ddp_diff"] < 1e-5, r
+        assert r["pending"][:4] == [0, 0, 1, 1] and r["pending"][5:] == [0, 0, 0], r
+
+
+@pytest.mark.multirank
+def test_a_worker_failing_on_one_rank_keeps_both_on_the_fx_graph(rank_pool):
+    results = rank_pool.run(_train, 1)
+    for r in results:
+        assert r["states"] == ["failed"], r
+        assert r["replicas_equal"]
+        assert r["ddp_diff"] < 1e-5, r
