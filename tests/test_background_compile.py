@@ -40,6 +40,18 @@ def _call_until_decided(module, *args, calls: int = 3):
 
 
 def test_switches_to_inductor_after_the_worker_finished():
+    # settings Inductor's cache key reads, set as a user might: the worker must compile under
+    # them too, or this process misses the worker's cache entry and compiles again
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            _switch()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _switch():
     gm = _graph()
     module = lower_in_background(gm)
     assert isinstance(module, BackgroundLowered)
@@ -58,6 +70,29 @@ def test_switches_to_inductor_after_the_worker_finished():
         torch.testing.assert_close(a, b)
 
 
+def test_constants_stay_real_when_lowered_under_a_fake_mode():
+    # a Dynamo compile lowers under its fake mode: the graph's constants (position ids in a
+    # transformer) must still be real tensors when Inductor's code runs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gm = _graph()
+    gm.table = torch.arange(3.0)
+    out = gm.graph.output_node()
+    with gm.graph.inserting_before(out):
+        table = gm.graph.get_attr("table")
+        x = next(iter(gm.graph.find_nodes(op="placeholder")))
+        add = gm.graph.call_function(torch.ops.aten.add.Tensor, (x, table))
+    out.args = ((*out.args[0], add),)
+    gm.recompile()
+    with FakeTensorMode():
+        module = lower_in_background(gm)
+    x0, y0 = _inputs()
+    outs = _call_until_decided(module, x0, y0)
+    assert module.state == "compiled"
+    for a, b in zip(outs[-1], gm(x0, y0)):
+        torch.testing.assert_close(a, b)
+
+
 def test_a_failed_worker_leaves_the_fx_graph_running(monkeypatch, caplog):
     monkeypatch.setattr(background, "WORKER_MODULE", "spmd_backend.lowering.no_such_worker")
     gm = _graph()
@@ -70,6 +105,35 @@ def test_a_failed_worker_leaves_the_fx_graph_running(monkeypatch, caplog):
     for out in outs:
         for a, b in zip(out, gm(x, y)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_portable_copy_keeps_read_attributes_and_inlines_empty_constants():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gm = _graph()
+    gm.empty_cache = torch.empty(0, 3)
+    gm.table = torch.ones(3)
+    x = next(iter(gm.graph.find_nodes(op="placeholder")))
+    out = gm.graph.output_node()
+    with gm.graph.inserting_before(out):
+        empty = gm.graph.get_attr("empty_cache")
+        table = gm.graph.get_attr("table")
+        cat = gm.graph.call_function(torch.ops.aten.cat.default, ([empty, x],))
+        add = gm.graph.call_function(torch.ops.aten.add.Tensor, (cat, table))
+    out.args = ((*out.args[0], add),)
+    gm.recompile()
+    x0, y0 = _inputs()
+    expected = gm(x0, y0)
+    gm.register_buffer("unused", torch.ones(2))  # a Dynamo graph carries such buffers
+    copy = background._portable_copy(gm)
+    assert copy is not None
+    assert dict(copy.named_buffers()).keys() == {"table"}
+    assert [n.target for n in copy.graph.find_nodes(op="get_attr")] == ["table"]
+    for a, b in zip(copy(x0, y0), expected):
+        torch.testing.assert_close(a, b)
+    with FakeTensorMode():
+        copy.table = torch.ones(3)
+    assert background._portable_copy(copy) is None
 
 
 def test_falls_back_to_a_blocking_compile_without_the_fx_graph_cache(monkeypatch):

@@ -14,7 +14,8 @@ communication (profiled time blocked in ``wait_tensor``). In the same run: the c
 the gradient bytes in DDP's 25 MB buckets); their max is the lower bound each variant is
 compared with. Also: trace time of a 12-layer GPT's first calls and the pass-pipeline time on a
 24-layer graph, and (``--compile-times``) the first two calls of each compiling variant in
-fresh processes, cold (an empty Inductor cache) and warm (the cache the cold run filled), and
+fresh processes, cold (an empty Inductor cache) and warm (the cache the cold run filled), with
+the time and calls until a background compile switches to Inductor's code, and
 (``--memory``) each variant's resident memory per rank in its own processes. Per variant, one
 profiled step is split by category (compute, exposed communication, optimizer, packing and
 copies, Python/runtime overhead; see ``CATEGORIES``).
@@ -258,6 +259,9 @@ def _bench_job(
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # one profiler event per kernel
+    # the steady steps measure Inductor's code: compile before the first step (the background
+    # compile switches to the same code later; its timings are --compile-times')
+    os.environ["SPMD_BACKEND_BACKGROUND_COMPILE"] = "0"
     out: dict[str, Any] = {}
     for name in names:
         build, make_batch, step_fn = workload(name)
@@ -347,9 +351,14 @@ def _trace_job(rank: int, world: int, layers: int) -> dict:
     }
 
 
-def _first_calls_job(rank: int, world: int, name: str, variant: str, optim: str) -> float:
-    """Seconds of a fresh process's first two calls (compile, state creation, recompile)."""
+def _first_calls_job(rank: int, world: int, name: str, variant: str, optim: str,
+                     max_calls: int = 400) -> dict[str, float]:
+    """A fresh process's first two calls (compile, state creation, recompile), in seconds, and,
+    for a background compile, the seconds and calls until Inductor's code runs (the calls in
+    between run the fx graph)."""
     import torch.distributed as dist
+
+    from spmd_backend.lowering import pending
 
     build, make_batch, step_fn = workload(name)
     gen = torch.Generator().manual_seed(rank)
@@ -359,7 +368,19 @@ def _first_calls_job(rank: int, world: int, name: str, variant: str, optim: str)
     t0 = time.perf_counter()
     for b in batches:
         run(b)
-    return time.perf_counter() - t0
+    first = time.perf_counter() - t0
+    calls = 2
+    while calls < max_calls:
+        # pending() is the same on every rank after each call; checked, so a bug cannot hang here
+        flags = torch.tensor([int(pending() > 0), 1])
+        dist.all_reduce(flags)
+        if 0 < flags[0] < flags[1]:
+            raise RuntimeError(f"rank {rank}: ranks disagree on pending background compiles")
+        if not flags[0]:
+            break
+        run(batches[calls % 2])
+        calls += 1
+    return {"first_s": first, "compiled_s": time.perf_counter() - t0, "calls": calls}
 
 
 def _memory_job(rank: int, world: int, name: str, variant: str, optim: str, steps: int) -> dict:
@@ -370,6 +391,7 @@ def _memory_job(rank: int, world: int, name: str, variant: str, optim: str, step
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    os.environ["SPMD_BACKEND_BACKGROUND_COMPILE"] = "0"  # steady steps run Inductor's code
     build, make_batch, step_fn = workload(name)
     gen = torch.Generator().manual_seed(rank)
     batches = [make_batch(gen) for _ in range(steps + 2)]
@@ -408,14 +430,16 @@ def memory(names: list[str], variants: list[str], ranks: int, optims: list[str],
 
 def compile_times(names: list[str], variants: list[str], ranks: int,
                   optims: list[str]) -> dict[str, Any]:
-    """First two calls per variant in fresh processes: cold (empty Inductor cache), then warm."""
+    """First two calls per variant in fresh processes, cold (empty Inductor cache) then warm,
+    and the time until Inductor's code runs (background compiles)."""
     import tempfile
 
     def measure(name: str, v: str, optim: str) -> dict[str, float]:
         env = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="bench_inductor_")}
         cold, warm = (run_on_ranks(_first_calls_job, name, v, optim, world_size=ranks, env=env,
                                    timeout=1800) for _ in range(2))
-        return {"cold_s": max(cold), "warm_s": max(warm)}
+        return {f"{k}_{kind}": max(r[k] for r in runs) for kind, runs in (("cold", cold), ("warm", warm))
+                for k in ("first_s", "compiled_s", "calls")}
 
     return _per_variant(names, optims, variants, measure)
 
@@ -452,10 +476,13 @@ def markdown(result: dict) -> str:
         lines.append("")
     for name, per_variant in result.get("compile_times", {}).items():
         lines.append(f"### {name}: first two calls in a fresh process, s\n")
-        lines.append("| variant | cold Inductor cache | warm cache |")
-        lines.append("|---|---|---|")
+        lines.append("| variant | cold: first 2 calls | cold: until compiled code (calls) | "
+                     "warm: first 2 calls | warm: until compiled code (calls) |")
+        lines.append("|---|---|---|---|---|")
         for v, t in per_variant.items():
-            lines.append(f"| {v} | {t['cold_s']:.1f} | {t['warm_s']:.1f} |")
+            lines.append(f"| {v} | {t['first_s_cold']:.1f} | {t['compiled_s_cold']:.1f} "
+                         f"({t['calls_cold']}) | {t['first_s_warm']:.1f} | "
+                         f"{t['compiled_s_warm']:.1f} ({t['calls_warm']}) |")
         lines.append("")
     for name, per_variant in result.get("memory", {}).items():
         lines.append(f"### {name}: resident memory per rank, each variant in its own processes, MB\n")

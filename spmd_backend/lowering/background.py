@@ -25,12 +25,15 @@ process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
 
 Falls back to the blocking :func:`lower_to_inductor` (logged) where a background compile cannot
 hand its result over: the cache switched off, an input that is not a plain tensor or number,
-inputs that share storage, a graph that cannot be pickled.
+inputs that share storage, a fake tensor constant with elements (constants without elements,
+such as an empty key/value cache, become ``empty_strided`` calls), a graph that cannot be
+pickled.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import pathlib
 import pickle
@@ -47,6 +50,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from spmd_backend.lowering.compile_worker import fake_inputs
 from spmd_backend.lowering.inductor import (
     InductorModule,
     compile_flat,
@@ -101,9 +105,35 @@ def _input_specs(vals: list[Any]) -> list[Any] | None:
     return specs
 
 
-def _payload(gm: fx.GraphModule, vals: list[Any]) -> bytes | None:
+def _portable_copy(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """``gm`` as it travels to the worker: only the attributes its graph reads (a Dynamo graph
+    also carries unused buffers, which AOTAutograd would lift as inputs), tensor constants
+    without elements (an empty key/value cache; fake ones cannot be pickled) as
+    ``empty_strided`` calls. None when a fake constant holds data."""
+    graph = gm.graph
+    attrs: dict[str, Any] = {}
+    for node in list(graph.find_nodes(op="get_attr")):
+        value = operator.attrgetter(str(node.target))(gm)
+        if isinstance(value, torch.Tensor) and value.numel() == 0:
+            with graph.inserting_before(node):
+                empty = graph.call_function(
+                    torch.ops.aten.empty_strided.default,
+                    (list(value.shape), list(value.stride())),
+                    {"dtype": value.dtype, "device": value.device},
+                )
+            node.replace_all_uses_with(empty)
+            graph.erase_node(node)
+            continue
+        if isinstance(value, torch._subclasses.fake_tensor.FakeTensor):
+            return None
+        attrs[str(node.target)] = value
+    return fx.GraphModule(attrs, graph)
+
+
+def _payload(flat: fx.GraphModule, vals: list[Any]) -> bytes | None:
     specs = _input_specs(vals)
-    if specs is None:
+    gm = _portable_copy(flat) if specs is not None else None
+    if gm is None:
         return None
     groups = {}
     for name in _group_names(gm):
@@ -126,6 +156,7 @@ def process_state() -> dict[str, Any]:
     matmul = torch.backends.cuda.matmul
     return {
         "num_threads": torch.get_num_threads(),
+        "grad_enabled": torch.is_grad_enabled(),
         "deterministic": (torch.are_deterministic_algorithms_enabled(),
                           torch.is_deterministic_algorithms_warn_only_enabled(),
                           torch.utils.deterministic.fill_uninitialized_memory),
@@ -146,12 +177,22 @@ def _stop(proc: subprocess.Popen[bytes] | None, folder: str) -> None:
 class BackgroundLowered(nn.Module):
     """The fx graph until the background compile is in and agreed; Inductor's code after."""
 
-    def __init__(self, gm: fx.GraphModule, flat: fx.GraphModule, spec: Any, payload: bytes,
-                 vals: list[Any], group_name: str | None) -> None:
+    def __init__(self, gm: fx.GraphModule, spec: Any, payload: bytes,
+                 group_name: str | None) -> None:
         super().__init__()
         self.source = gm
         self.graph = gm.graph
-        self._flat, self._spec, self._payload, self._vals = flat, spec, payload, vals
+        # what this process compiles is the worker's copy: a pickle round trip renames nodes
+        # the way unpickling does, so both compute the same cache key
+        # (outside the fake mode a Dynamo compile runs this in: its constants must be real)
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            copy = pickle.loads(payload)  # noqa: S301 - our own bytes
+        self._flat: fx.GraphModule | None = copy["gm"]
+        self._specs: list[Any] = copy["inputs"]
+        self._configs = (pickle.loads(copy["inductor_config"]),  # noqa: S301
+                         pickle.loads(copy["functorch_config"]))  # noqa: S301
+        self._grad_enabled: bool = copy["process_state"]["grad_enabled"]
+        self._spec, self._payload = spec, payload
         self._group_name = group_name
         self._folder = tempfile.mkdtemp(prefix="spmd_lowering_")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -185,10 +226,14 @@ class BackgroundLowered(nn.Module):
                  "graph runs meanwhile", self._proc.pid)
 
     def _worker_error(self) -> str:
+        """The worker's last line, and where its whole log is kept."""
         self._log.close()
-        text = pathlib.Path(self._folder, "worker.log").read_text(errors="replace").strip()
+        fd, kept = tempfile.mkstemp(prefix="spmd_compile_worker_", suffix=".log")
+        os.close(fd)
+        shutil.move(os.path.join(self._folder, "worker.log"), kept)
+        text = pathlib.Path(kept).read_text(errors="replace").strip()
         lines = [ln for ln in text.splitlines() if ln.strip()]
-        return lines[-1][:300] if lines else "no output"
+        return f"{lines[-1][:300] if lines else 'no output'} (worker log: {kept})"
 
     def _advance_local(self) -> None:
         """Move this rank's state on: load the worker's result once it has finished."""
@@ -200,7 +245,17 @@ class BackgroundLowered(nn.Module):
         self._log.close()
         hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         try:
-            self._compiled = compile_flat(self._flat, self._spec, self.source, self._vals)
+            # as the worker did: the configuration and grad mode the graph was handed over
+            # with (a Dynamo compile patches some), fresh fake tensors from the same descriptions, outside
+            # whatever tracing context (Dynamo's runtime wrapper) and fake mode this call is in
+            with torch._inductor.config.patch(self._configs[0]), \
+                    torch._functorch.config.patch(self._configs[1]), \
+                    torch._guards.tracing(None), \
+                    torch.set_grad_enabled(self._grad_enabled), \
+                    torch._subclasses.fake_tensor.unset_fake_temporarily():
+                inputs = fake_inputs(self._specs)
+                assert self._flat is not None
+                self._compiled = compile_flat(self._flat, self._spec, self.source, inputs)
         except Exception as e:  # noqa: BLE001 - stay on the fx graph, loudly
             self._local, self._why = FAILED, f"{type(e).__name__}: {str(e)[:300]}"
             return
@@ -250,7 +305,7 @@ class BackgroundLowered(nn.Module):
             else:
                 self._settle()
                 if self.state == COMPILED:
-                    self._flat = self._vals = None  # type: ignore[assignment]
+                    self._flat = None
                     self.calls += 1
                     return self._compiled(*args)  # type: ignore[misc]
         self.calls += 1
@@ -276,16 +331,13 @@ def lower_in_background(gm: fx.GraphModule) -> nn.Module:
         log.info("background compile needs Inductor's FX graph cache; compiling now")
         return lower_to_inductor(gm)
     flat, spec = flat_for_inductor(gm)
-    # the copy this process compiles is the one the worker compiles: a pickle round trip
-    # renames nodes the way unpickling does, so both compute the same cache key
     vals = example_inputs(flat)
     payload = _payload(flat, vals)
     if payload is None:
         log.info("background compile: inputs or graph cannot be handed to a worker; compiling now")
         return lower_to_inductor(gm)
     names = _group_names(flat)
-    return BackgroundLowered(gm, pickle.loads(payload)["gm"], spec, payload, vals,
-                             names[0] if names else None)
+    return BackgroundLowered(gm, spec, payload, names[0] if names else None)
 
 
 __all__ = [

@@ -3,7 +3,7 @@
 Requires: a payload written by :mod:`spmd_backend.lowering.background` (a pickled flat step
 graph, descriptions of its inputs, the rank and size of each process group its collectives
 name, the parent's Inductor and AOTAutograd configuration and the process-wide settings
-Inductor's cache key reads: threads, deterministic algorithms, default dtype, matmul precision) and the parent's
+Inductor's cache key reads: threads, grad mode, deterministic algorithms, default dtype, matmul precision) and the parent's
 ``TORCHINDUCTOR_CACHE_DIR``. Guarantees: compiles the graph with Inductor exactly as the parent
 would (same configuration, fake inputs with the same metadata, a fake process group registered
 under each group name, so nothing is communicated) and exits 0, leaving the compiled graph in
@@ -17,7 +17,8 @@ import sys
 from typing import Any
 
 
-def _fake_inputs(specs: list[Any]) -> list[Any]:
+def fake_inputs(specs: list[Any]) -> list[Any]:
+    """Fake tensors (in a new fake mode with a shape env) as the specs describe them."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -41,6 +42,7 @@ def _apply_process_state(state: dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(state["num_threads"])
+    torch.set_grad_enabled(state["grad_enabled"])
     enabled, warn_only, fill = state["deterministic"]
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
@@ -93,7 +95,7 @@ def main(path: str) -> int:
     _apply_process_state(payload["process_state"])
     _register_groups(payload["groups"])
 
-    compile_fx(payload["gm"], _fake_inputs(payload["inputs"]))
+    compile_fx(payload["gm"], fake_inputs(payload["inputs"]))
     return 0
 
 
@@ -101,5 +103,8 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1]))
     except Exception as e:  # noqa: BLE001 - the parent reads the last line
-        print(f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)
+        import traceback
+
+        traceback.print_exc()
+        print(f"{type(e).__name__}: {e}".replace("\n", " ")[:2000], flush=True)
         sys.exit(1)
