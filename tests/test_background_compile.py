@@ -136,9 +136,11 @@ def test_portable_copy_keeps_read_attributes_and_inlines_empty_constants():
     assert background._portable_copy(copy) is None
 
 
-def test_falls_back_to_a_blocking_compile_without_the_fx_graph_cache(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    assert isinstance(lower_in_background(_graph()), InductorModule)
+def test_falls_back_to_a_blocking_compile_without_the_fx_graph_cache():
+    # (the config's own patch: monkeypatch's undo deletes a config entry)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        assert isinstance(lower_in_background(_graph()), InductorModule)
+    assert torch._inductor.config.fx_graph_cache
 
 
 def test_inputs_sharing_storage_compile_blocking():

@@ -19,9 +19,9 @@ process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
 - Whatever runs, results are those of the graph (fx's or Inductor's rounding; which call switches
   depends on how fast the worker compiles, so runs are reproducible only to rounding: pass
   ``background_compile=False`` for the blocking compile).
-- :func:`pending` counts the modules of this process whose switch is still open (the same on
-  every rank after each call); :func:`wait_for_background` blocks until their workers have
-  finished; a worker is killed when its module is garbage-collected.
+- :func:`pending` counts the modules of this process whose worker has started and whose switch
+  is still open (the same on every rank after each call); :func:`wait_for_background` blocks
+  until their workers have finished; a worker is killed when its module is garbage-collected.
 
 Falls back to the blocking :func:`lower_to_inductor` (logged) where a background compile cannot
 hand its result over: the cache switched off, an input that is not a plain tensor or number,
