@@ -70,6 +70,22 @@ def _switch():
         torch.testing.assert_close(a, b)
 
 
+def test_a_worker_that_cannot_start_is_a_failure_not_an_error(monkeypatch, caplog):
+    import sys
+
+    module = lower_in_background(_graph())
+    x, y = _inputs()
+    module(x, y)
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    module(x, y)  # the launch fails: the step still runs (and the ranks decide on the next call)
+    monkeypatch.undo()
+    assert pending() == 1
+    with caplog.at_level(logging.WARNING, logger="spmd_backend.lowering.background"):
+        module(x, y)
+    assert module.state == "failed" and pending() == 0
+    assert "could not start" in caplog.text
+
+
 def test_constants_stay_real_when_lowered_under_a_fake_mode():
     # a Dynamo compile lowers under its fake mode: the graph's constants (position ids in a
     # transformer) must still be real tensors when Inductor's code runs

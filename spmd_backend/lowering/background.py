@@ -196,6 +196,7 @@ class BackgroundLowered(nn.Module):
         self._group_name = group_name
         self._folder = tempfile.mkdtemp(prefix="spmd_lowering_")
         self._proc: subprocess.Popen[bytes] | None = None
+        self._launched = False  # the switch is open from here on (even if the launch failed)
         self._compiled: InductorModule | None = None
         self._local = COMPILING
         self._why = ""
@@ -208,6 +209,13 @@ class BackgroundLowered(nn.Module):
 
     # ------------------------------------------------------------------ worker
     def _start(self) -> None:
+        self._launched = True
+        try:
+            self._launch()
+        except OSError as e:  # decided with the other ranks on the next call, like any failure
+            self._local, self._why = FAILED, f"the compile worker could not start: {e}"
+
+    def _launch(self) -> None:
         path = os.path.join(self._folder, "graph.pkl")
         with open(path, "wb") as f:
             f.write(self._payload)
@@ -246,8 +254,9 @@ class BackgroundLowered(nn.Module):
         hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         try:
             # as the worker did: the configuration and grad mode the graph was handed over
-            # with (a Dynamo compile patches some), fresh fake tensors from the same descriptions, outside
-            # whatever tracing context (Dynamo's runtime wrapper) and fake mode this call is in
+            # with (a Dynamo compile patches some), fresh fake tensors from the same
+            # descriptions, outside whatever tracing context (Dynamo's runtime wrapper) and
+            # fake mode this call is in
             with torch._inductor.config.patch(self._configs[0]), \
                     torch._functorch.config.patch(self._configs[1]), \
                     torch._guards.tracing(None), \
@@ -286,26 +295,26 @@ class BackgroundLowered(nn.Module):
             log.warning("Inductor could not compile the step graph in the background (%s); "
                         "running the fx graph instead", why)
             _stop(self._proc, self._folder)
-            self._compiled = None
+            self._compiled = self._flat = None
         elif all_ready:
             self.state = COMPILED
             self.switched_at_call = self.calls
             log.info("switched to Inductor's code at call %d, %.1fs after the compile started",
                      self.calls, time.perf_counter() - self._started)
             _stop(None, self._folder)
+            self._flat = None
 
     # ------------------------------------------------------------------ running
     def forward(self, *args: Any) -> Any:
         if self.state == COMPILED:
             return self._compiled(*args)  # type: ignore[misc]
         if self.state == COMPILING:
-            if self._proc is None:
+            if not self._launched:
                 if self.calls >= 1:
                     self._start()
             else:
                 self._settle()
                 if self.state == COMPILED:
-                    self._flat = None
                     self.calls += 1
                     return self._compiled(*args)  # type: ignore[misc]
         self.calls += 1
@@ -314,7 +323,7 @@ class BackgroundLowered(nn.Module):
 
 def pending() -> int:
     """How many background compiles of this process have a worker and no decision yet."""
-    return sum(1 for m in list(_LIVE) if m.state == COMPILING and m._proc is not None)
+    return sum(1 for m in list(_LIVE) if m.state == COMPILING and m._launched)
 
 
 def wait_for_background(timeout: float | None = None) -> None:
