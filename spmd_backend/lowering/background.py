@@ -177,8 +177,7 @@ def _stop(proc: subprocess.Popen[bytes] | None, folder: str) -> None:
 class BackgroundLowered(nn.Module):
     """The fx graph until the background compile is in and agreed; Inductor's code after."""
 
-    def __init__(self, gm: fx.GraphModule, spec: Any, payload: bytes,
-                 group_name: str | None) -> None:
+    def __init__(self, gm: fx.GraphModule, spec: Any, payload: bytes) -> None:
         super().__init__()
         self.source = gm
         self.graph = gm.graph
@@ -193,7 +192,8 @@ class BackgroundLowered(nn.Module):
                          pickle.loads(copy["functorch_config"]))  # noqa: S301
         self._grad_enabled: bool = copy["process_state"]["grad_enabled"]
         self._spec, self._payload = spec, payload
-        self._group_name = group_name
+        # the ranks agree on the first group the graph's collectives name (None: no collectives)
+        self._group_name: str | None = next(iter(copy["groups"]), None)
         self._folder = tempfile.mkdtemp(prefix="spmd_lowering_")
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched = False  # the switch is open from here on (even if the launch failed)
@@ -345,8 +345,7 @@ def lower_in_background(gm: fx.GraphModule) -> nn.Module:
     if payload is None:
         log.info("background compile: inputs or graph cannot be handed to a worker; compiling now")
         return lower_to_inductor(gm)
-    names = _group_names(flat)
-    return BackgroundLowered(gm, spec, payload, names[0] if names else None)
+    return BackgroundLowered(gm, spec, payload)
 
 
 __all__ = [

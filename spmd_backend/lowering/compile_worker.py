@@ -3,8 +3,8 @@
 Requires: a payload written by :mod:`spmd_backend.lowering.background` (a pickled flat step
 graph, descriptions of its inputs, the rank and size of each process group its collectives
 name, the parent's Inductor and AOTAutograd configuration and the process-wide settings
-Inductor's cache key reads: threads, grad mode, deterministic algorithms, default dtype, matmul precision) and the parent's
-``TORCHINDUCTOR_CACHE_DIR``. Guarantees: compiles the graph with Inductor exactly as the parent
+Inductor's cache key reads: threads, grad mode, deterministic algorithms, default dtype, matmul
+precision) and the parent's ``TORCHINDUCTOR_CACHE_DIR``. Guarantees: compiles the graph with Inductor exactly as the parent
 would (same configuration, fake inputs with the same metadata, a fake process group registered
 under each group name, so nothing is communicated) and exits 0, leaving the compiled graph in
 the shared cache; on any error it prints the error and exits 1. It never touches real data.
