@@ -15,7 +15,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_backend.errors import SpmdUsageError
-from spmd_backend.lowering import InductorModule, background, pending, wait_for_background
+from spmd_backend.lowering import InductorModule, background, handover, pending, wait_for_background
 from spmd_backend.lowering.background import BackgroundLowered, lower_in_background
 from spmd_backend.pipeline import PipelineConfig
 
@@ -141,7 +141,7 @@ def test_portable_copy_keeps_read_attributes_and_inlines_empty_constants():
     x0, y0 = _inputs()
     expected = gm(x0, y0)
     gm.register_buffer("unused", torch.ones(2))  # a Dynamo graph carries such buffers
-    copy = background._portable_copy(gm)
+    copy = handover.portable_copy(gm)
     assert copy is not None
     assert dict(copy.named_buffers()).keys() == {"table"}
     assert [n.target for n in copy.graph.find_nodes(op="get_attr")] == ["table"]
@@ -149,7 +149,7 @@ def test_portable_copy_keeps_read_attributes_and_inlines_empty_constants():
         torch.testing.assert_close(a, b)
     with FakeTensorMode():
         copy.table = torch.ones(3)
-    assert background._portable_copy(copy) is None
+    assert handover.portable_copy(copy) is None
 
 
 def test_falls_back_to_a_blocking_compile_without_the_fx_graph_cache():
@@ -162,8 +162,8 @@ def test_falls_back_to_a_blocking_compile_without_the_fx_graph_cache():
 def test_inputs_sharing_storage_compile_blocking():
     vals = [torch.empty(4)]
     vals.append(vals[0].view(2, 2))
-    assert background._input_specs(vals) is None
-    assert background._input_specs([torch.empty(4), 3]) is not None
+    assert handover.input_specs(vals) is None
+    assert handover.input_specs([torch.empty(4), 3]) is not None
 
 
 def test_option_is_validated_and_read_from_the_environment(monkeypatch):
@@ -180,14 +180,17 @@ def test_option_is_validated_and_read_from_the_environment(monkeypatch):
 
 
 # --------------------------------------------------------------------------- two ranks
-def _train(rank: int, world: int, fail_on_rank: int | None) -> dict:
-    worker = background.WORKER_MODULE
+def _train(rank: int, world: int, fail_on_rank: int | None, hosts: tuple[str, ...] = ()) -> dict:
+    """``hosts``: each rank's host name as the ranks see it (empty: the real one, shared)."""
+    worker, hostname = background.WORKER_MODULE, background.socket.gethostname
     if rank == fail_on_rank:
         background.WORKER_MODULE = "spmd_backend.lowering.no_such_worker"
+    if hosts:
+        background.socket.gethostname = lambda: hosts[rank]
     try:
         return _train_steps(rank, world)
     finally:
-        background.WORKER_MODULE = worker
+        background.WORKER_MODULE, background.socket.gethostname = worker, hostname
 
 
 def _train_steps(rank: int, world: int) -> dict:
@@ -232,6 +235,7 @@ def _train_steps(rank: int, world: int) -> dict:
     diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     return {
         "states": [m.state for m in modules], "switched": [m.switched_at_call for m in modules],
+        "own_worker": [m._shared_done is None for m in modules],
         "pending": states, "replicas_equal": all(torch.equal(g, flat) for g in gathered),
         "ddp_diff": diff,
     }
@@ -244,6 +248,8 @@ def test_ranks_switch_on_the_same_call_and_match_ddp(rank_pool):
     # call count at the switch is 3 (step 4) or 4 (step 5)
     assert results[0]["switched"] == results[1]["switched"]
     assert results[0]["switched"][0] in (3, 4), results
+    # one host, one cache, the same graph: one worker (rank 0's), rank 1 loads its result
+    assert [r["own_worker"] for r in results] == [[True], [False]], results
     for r in results:
         assert r["states"] == ["compiled"], r
         assert r["replicas_equal"]
@@ -252,8 +258,12 @@ def test_ranks_switch_on_the_same_call_and_match_ddp(rank_pool):
 
 
 @pytest.mark.multirank
-def test_a_worker_failing_on_one_rank_keeps_both_on_the_fx_graph(rank_pool):
-    results = rank_pool.run(_train, 1)
+@pytest.mark.parametrize("fail_on_rank, hosts", [(0, ()), (1, ("host-a", "host-b"))])
+def test_a_worker_failing_on_one_rank_keeps_both_on_the_fx_graph(rank_pool, fail_on_rank, hosts):
+    # (0, one host): the one shared worker fails, rank 1 waited on it; (1, two hosts): each
+    # rank compiles on its own host and rank 1's worker fails
+    results = rank_pool.run(_train, fail_on_rank, hosts)
+    assert [r["own_worker"] for r in results] == [[True], [bool(hosts)]], results
     for r in results:
         assert r["states"] == ["failed"], r
         assert r["replicas_equal"]

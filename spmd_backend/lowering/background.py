@@ -10,12 +10,17 @@ process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
   copy, the same Inductor and AOTAutograd configuration, fake inputs, a fake process group under
   each collective's group name) and so fills the cache. A graph called once (a setup graph) never
   starts one.
+- One worker per host and graph: on that second call the ranks of the graph's group exchange
+  the key of what their worker would compile (:func:`~spmd_backend.lowering.handover.make_payload`)
+  with their host name and Inductor cache folder; of each set of ranks with all three equal,
+  the lowest compiles and the others wait for its worker's status file, then load the same
+  cache entry. (8 ranks on a node compile once, not 8 times on the cores training uses.)
 - Every call before the switch runs the fx graph: the same graph, the same collectives, fx's
   eager kernels. When the worker has finished, this process compiles the identical copy, which
   is a cache hit (seconds), and the ranks of the graph's process group agree, with one small
   all_reduce per call until they do, to switch on the same call: replicas never run different
-  kernels for the same step. A worker that fails, or a load that fails, on any rank keeps every
-  rank on the fx graph, with one warning that says why.
+  kernels for the same step. A worker that fails (the one a rank waits on included), or a load
+  that fails, on any rank keeps every rank on the fx graph, with one warning that says why.
 - Whatever runs, results are those of the graph (fx's or Inductor's rounding; which call switches
   depends on how fast the worker compiles, so runs are reproducible only to rounding: pass
   ``background_compile=False`` for the blocking compile).
@@ -33,11 +38,11 @@ pickled.
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import pathlib
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +56,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spmd_backend.lowering.compile_worker import fake_inputs
+from spmd_backend.lowering.handover import make_payload
 from spmd_backend.lowering.inductor import (
     InductorModule,
     compile_flat,
@@ -69,104 +75,6 @@ COMPILING, COMPILED, FAILED = "compiling", "compiled", "failed"
 WORKER_MODULE = "spmd_backend.lowering.compile_worker"
 
 
-def _group_names(gm: fx.GraphModule) -> list[str]:
-    """The process-group names the graph's collectives use, in graph order."""
-    names: list[str] = []
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            if arg.name == "group_name":
-                name = node.args[i] if i < len(node.args) else node.kwargs.get("group_name")
-                if isinstance(name, str) and name not in names:
-                    names.append(name)
-    return names
-
-
-def _input_specs(vals: list[Any]) -> list[Any] | None:
-    """Picklable descriptions of the example inputs, or None when one cannot be described."""
-    specs: list[Any] = []
-    storages: set[int] = set()
-    for v in vals:
-        if isinstance(v, torch.Tensor):
-            if type(v) not in (torch.Tensor, torch._subclasses.fake_tensor.FakeTensor):
-                return None
-            key = id(v.untyped_storage())
-            if key in storages:
-                return None
-            storages.add(key)
-            specs.append(("tensor", tuple(v.shape), tuple(v.stride()), v.storage_offset(),
-                          v.dtype, str(v.device), v.requires_grad))
-        elif isinstance(v, (int, float, bool)) and not isinstance(v, torch.SymInt):
-            specs.append(("value", v))
-        else:
-            return None
-    return specs
-
-
-def _portable_copy(gm: fx.GraphModule) -> fx.GraphModule | None:
-    """``gm`` as it travels to the worker: only the attributes its graph reads (a Dynamo graph
-    also carries unused buffers, which AOTAutograd would lift as inputs), tensor constants
-    without elements (an empty key/value cache; fake ones cannot be pickled) as
-    ``empty_strided`` calls. None when a fake constant holds data."""
-    graph = gm.graph
-    attrs: dict[str, Any] = {}
-    for node in list(graph.find_nodes(op="get_attr")):
-        value = operator.attrgetter(str(node.target))(gm)
-        if isinstance(value, torch.Tensor) and value.numel() == 0:
-            with graph.inserting_before(node):
-                empty = graph.call_function(
-                    torch.ops.aten.empty_strided.default,
-                    (list(value.shape), list(value.stride())),
-                    {"dtype": value.dtype, "device": value.device},
-                )
-            node.replace_all_uses_with(empty)
-            graph.erase_node(node)
-            continue
-        if isinstance(value, torch._subclasses.fake_tensor.FakeTensor):
-            return None
-        attrs[str(node.target)] = value
-    return fx.GraphModule(attrs, graph)
-
-
-def _payload(flat: fx.GraphModule, vals: list[Any]) -> bytes | None:
-    specs = _input_specs(vals)
-    gm = _portable_copy(flat) if specs is not None else None
-    if gm is None:
-        return None
-    groups = {}
-    for name in _group_names(gm):
-        pg = dist.distributed_c10d._resolve_process_group(name)
-        groups[name] = (pg.rank(), pg.size())
-    try:
-        return pickle.dumps({
-            "gm": gm, "inputs": specs, "groups": groups,
-            "inductor_config": torch._inductor.config.save_config(),
-            "process_state": process_state(),
-            "functorch_config": torch._functorch.config.save_config(),
-        })
-    except Exception as e:  # noqa: BLE001 - an unpicklable graph compiles in the foreground
-        log.info("background compile: the graph cannot be pickled (%s)", e)
-        return None
-
-
-def process_state() -> dict[str, Any]:
-    """Process-wide settings Inductor's cache key (and its code) depends on, for the worker."""
-    matmul = torch.backends.cuda.matmul
-    return {
-        "num_threads": torch.get_num_threads(),
-        "grad_enabled": torch.is_grad_enabled(),
-        "deterministic": (torch.are_deterministic_algorithms_enabled(),
-                          torch.is_deterministic_algorithms_warn_only_enabled(),
-                          torch.utils.deterministic.fill_uninitialized_memory),
-        "default_dtype": torch.get_default_dtype(),
-        "matmul": (matmul.fp32_precision, matmul.allow_fp16_reduced_precision_reduction,
-                   matmul.allow_bf16_reduced_precision_reduction),
-        "cuda_device": torch.cuda.current_device() if torch.cuda.is_available() else None,
-    }
-
-
 def _stop(proc: subprocess.Popen[bytes] | None, folder: str) -> None:
     if proc is not None and proc.poll() is None:
         proc.kill()
@@ -177,7 +85,7 @@ def _stop(proc: subprocess.Popen[bytes] | None, folder: str) -> None:
 class BackgroundLowered(nn.Module):
     """The fx graph until the background compile is in and agreed; Inductor's code after."""
 
-    def __init__(self, gm: fx.GraphModule, spec: Any, payload: bytes) -> None:
+    def __init__(self, gm: fx.GraphModule, spec: Any, payload: bytes, key: str = "") -> None:
         super().__init__()
         self.source = gm
         self.graph = gm.graph
@@ -186,12 +94,14 @@ class BackgroundLowered(nn.Module):
         # (outside the fake mode a Dynamo compile runs this in: its constants must be real)
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             copy = pickle.loads(payload)  # noqa: S301 - our own bytes
-        self._flat: fx.GraphModule | None = copy["gm"]
+            self._flat: fx.GraphModule | None = pickle.loads(copy["gm"])  # noqa: S301
         self._specs: list[Any] = copy["inputs"]
         self._configs = (pickle.loads(copy["inductor_config"]),  # noqa: S301
                          pickle.loads(copy["functorch_config"]))  # noqa: S301
         self._grad_enabled: bool = copy["process_state"]["grad_enabled"]
-        self._spec, self._payload = spec, payload
+        self._spec, self._payload, self._key = spec, payload, key
+        # set when another rank on this host compiles the same graph: its worker's status file
+        self._shared_done: str | None = None
         # the ranks agree on the first group the graph's collectives name (None: no collectives)
         self._group_name: str | None = next(iter(copy["groups"]), None)
         self._folder = tempfile.mkdtemp(prefix="spmd_lowering_")
@@ -210,10 +120,32 @@ class BackgroundLowered(nn.Module):
     # ------------------------------------------------------------------ worker
     def _start(self) -> None:
         self._launched = True
+        leader = self._leader_done_file()
+        if leader is not None:
+            self._shared_done = leader
+            log.info("the step graph is compiled in the background by another rank on this "
+                     "host (the same graph and cache); this rank loads its result")
+            return
         try:
             self._launch()
         except OSError as e:  # decided with the other ranks on the next call, like any failure
             self._local, self._why = FAILED, f"the compile worker could not start: {e}"
+
+    def _leader_done_file(self) -> str | None:
+        """One worker per host and graph: the ranks of the group exchange (graph key, host and
+        Inductor cache, this rank's worker status file); the lowest rank of each set of equals
+        compiles, the others get its status file (None: this rank compiles)."""
+        if self._group_name is None or not self._key:
+            return None
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        pg = dist.distributed_c10d._resolve_process_group(self._group_name)
+        mine = (self._key, f"{socket.gethostname()}:{os.path.realpath(cache_dir())}",
+                os.path.join(self._folder, "graph.pkl.done"))
+        entries: list[Any] = [None] * pg.size()
+        dist.all_gather_object(entries, mine, group=pg)
+        first = next(e for e in entries if e[:2] == mine[:2])
+        return None if first[2] == mine[2] else str(first[2])
 
     def _launch(self) -> None:
         path = os.path.join(self._folder, "graph.pkl")
@@ -245,12 +177,21 @@ class BackgroundLowered(nn.Module):
 
     def _advance_local(self) -> None:
         """Move this rank's state on: load the worker's result once it has finished."""
-        if self._local != COMPILING or self._proc is None or self._proc.poll() is None:
+        if self._local != COMPILING:
             return
-        if self._proc.returncode != 0:
+        if self._shared_done is not None:  # another rank's worker: its status file
+            if not os.path.exists(self._shared_done):
+                return
+            if pathlib.Path(self._shared_done).read_text().strip() != "0":
+                self._local, self._why = FAILED, "the compile worker of another rank failed"
+                return
+        elif self._proc is None or self._proc.poll() is None:
+            return
+        elif self._proc.returncode != 0:
             self._local, self._why = FAILED, f"the compile worker failed: {self._worker_error()}"
             return
-        self._log.close()
+        else:
+            self._log.close()
         hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         try:
             # as the worker did: the configuration and grad mode the graph was handed over
@@ -327,11 +268,19 @@ def pending() -> int:
 
 
 def wait_for_background(timeout: float | None = None) -> None:
-    """Block until the workers this process started have finished (benchmarks and tests: the
-    switch itself still happens on the next call, agreed by the ranks)."""
+    """Block until the workers this process started, or waits on, have finished (benchmarks and
+    tests: the switch itself still happens on the next call, agreed by the ranks)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     for module in list(_LIVE):
         if module._proc is not None:
-            module._proc.wait(timeout)
+            module._proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        done = module._shared_done
+        # another rank's worker: until its status file, or its folder is gone (that rank
+        # stopped it), or the time is up
+        while done is not None and not os.path.exists(done) and os.path.isdir(os.path.dirname(done)):
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("another rank's compile worker", timeout or 0.0)
+            time.sleep(0.05)
 
 
 def lower_in_background(gm: fx.GraphModule) -> nn.Module:
@@ -341,11 +290,11 @@ def lower_in_background(gm: fx.GraphModule) -> nn.Module:
         return lower_to_inductor(gm)
     flat, spec = flat_for_inductor(gm)
     vals = example_inputs(flat)
-    payload = _payload(flat, vals)
-    if payload is None:
+    made = make_payload(flat, vals)
+    if made is None:
         log.info("background compile: inputs or graph cannot be handed to a worker; compiling now")
         return lower_to_inductor(gm)
-    return BackgroundLowered(gm, spec, payload)
+    return BackgroundLowered(gm, spec, *made)
 
 
 __all__ = [

@@ -7,11 +7,14 @@ Inductor's cache key reads: threads, grad mode, deterministic algorithms, defaul
 precision) and the parent's ``TORCHINDUCTOR_CACHE_DIR``. Guarantees: compiles the graph with Inductor exactly as the parent
 would (same configuration, fake inputs with the same metadata, a fake process group registered
 under each group name, so nothing is communicated) and exits 0, leaving the compiled graph in
-the shared cache; on any error it prints the error and exits 1. It never touches real data.
+the shared cache; on any error it prints the error and exits 1. Either way it writes its exit
+status to ``PAYLOAD.done`` last (what ranks that share this worker's result wait for: see
+:mod:`spmd_backend.lowering.background`). It never touches real data.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from typing import Any
@@ -95,16 +98,26 @@ def main(path: str) -> int:
     _apply_process_state(payload["process_state"])
     _register_groups(payload["groups"])
 
-    compile_fx(payload["gm"], fake_inputs(payload["inputs"]))
+    compile_fx(pickle.loads(payload["gm"]), fake_inputs(payload["inputs"]))  # noqa: S301
     return 0
 
 
+def write_done(path: str, status: int) -> None:
+    """``PAYLOAD.done`` holding ``status``, written whole (renamed into place)."""
+    with open(path + ".done.tmp", "w") as f:
+        f.write(str(status))
+    os.replace(path + ".done.tmp", path + ".done")
+
+
 if __name__ == "__main__":
+    status = 1
     try:
-        sys.exit(main(sys.argv[1]))
+        status = main(sys.argv[1])
     except Exception as e:  # noqa: BLE001 - the parent reads the last line
         import traceback
 
         traceback.print_exc()
         print(f"{type(e).__name__}: {e}".replace("\n", " ")[:2000], flush=True)
-        sys.exit(1)
+    finally:
+        write_done(sys.argv[1], status)
+    sys.exit(status)

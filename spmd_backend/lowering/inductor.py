@@ -14,7 +14,6 @@ If Inductor cannot compile the graph the graph itself is returned, with a warnin
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from typing import Any
@@ -24,7 +23,6 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd_backend.errors import SpmdGraphError
-from spmd_backend.graph.utils import get_output
 from spmd_backend.lowering.fused_decomp import decompose_fused_optimizers
 
 log = logging.getLogger(__name__)
@@ -48,15 +46,15 @@ class InductorModule(nn.Module):
 
 
 def _flat_output_copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, Any]:
-    # a copy of the graph, sharing gm's attributes: deep-copying the module would copy its
-    # tensor constants, and a fake one (a Dynamo graph may hold some) cannot be copied
-    new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    out = get_output(new.graph)
-    flat, spec = pytree.tree_flatten(out.args[0])
-    out.args = (tuple(flat),)
-    new.graph._codegen = fx.graph.CodeGen()
-    new.recompile()
-    return new, spec
+    # a copy of the graph sharing gm's attributes (deep-copying the module would copy its
+    # tensor constants, and a fake one, which a Dynamo graph may hold, cannot be copied) and
+    # each node's meta values (node_copy copies the meta dict, not the fake tensors in it: a
+    # deep copy of a whole-step graph's fake values costs about half a second)
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    flat, spec = pytree.tree_flatten(out)
+    graph.output(tuple(flat))
+    return fx.GraphModule(gm, graph), spec
 
 
 def example_inputs(gm: fx.GraphModule) -> list[Any]:

@@ -1,0 +1,138 @@
+"""What travels from a training process to its background compile worker.
+
+Requires: a flat step graph as :func:`~spmd_backend.lowering.inductor.flat_for_inductor` makes
+it, with fake example inputs. Guarantees: :func:`make_payload` returns the pickled payload
+:mod:`spmd_backend.lowering.compile_worker` reads (the graph pickled on its own, with only the
+attributes it reads; descriptions of its inputs; the rank and size of each process group its
+collectives name; the Inductor and AOTAutograd configuration; the process-wide settings
+Inductor's cache key reads) and a key that is equal on ranks whose workers would compile the
+same graph the same way, or None when the graph or its inputs cannot travel (then the caller
+compiles in the foreground).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import operator
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+
+def group_names(gm: fx.GraphModule) -> list[str]:
+    """The process-group names the graph's collectives use, in graph order."""
+    names: list[str] = []
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.name == "group_name":
+                name = node.args[i] if i < len(node.args) else node.kwargs.get("group_name")
+                if isinstance(name, str) and name not in names:
+                    names.append(name)
+    return names
+
+
+def input_specs(vals: list[Any]) -> list[Any] | None:
+    """Picklable descriptions of the example inputs, or None when one cannot be described."""
+    specs: list[Any] = []
+    storages: set[int] = set()
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            if type(v) not in (torch.Tensor, torch._subclasses.fake_tensor.FakeTensor):
+                return None
+            key = id(v.untyped_storage())
+            if key in storages:
+                return None
+            storages.add(key)
+            specs.append(("tensor", tuple(v.shape), tuple(v.stride()), v.storage_offset(),
+                          v.dtype, str(v.device), v.requires_grad))
+        elif isinstance(v, (int, float, bool)) and not isinstance(v, torch.SymInt):
+            specs.append(("value", v))
+        else:
+            return None
+    return specs
+
+
+def portable_copy(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """``gm`` as it travels to the worker: only the attributes its graph reads (a Dynamo graph
+    also carries unused buffers, which AOTAutograd would lift as inputs), tensor constants
+    without elements (an empty key/value cache; fake ones cannot be pickled) as
+    ``empty_strided`` calls. None when a fake constant holds data."""
+    graph = gm.graph
+    attrs: dict[str, Any] = {}
+    for node in list(graph.find_nodes(op="get_attr")):
+        value = operator.attrgetter(str(node.target))(gm)
+        if isinstance(value, torch.Tensor) and value.numel() == 0:
+            with graph.inserting_before(node):
+                empty = graph.call_function(
+                    torch.ops.aten.empty_strided.default,
+                    (list(value.shape), list(value.stride())),
+                    {"dtype": value.dtype, "device": value.device},
+                )
+            node.replace_all_uses_with(empty)
+            graph.erase_node(node)
+            continue
+        if isinstance(value, torch._subclasses.fake_tensor.FakeTensor):
+            return None
+        attrs[str(node.target)] = value
+    return fx.GraphModule(attrs, graph)
+
+
+def make_payload(flat: fx.GraphModule, vals: list[Any]) -> tuple[bytes, str] | None:
+    """The worker's payload, and the key of what it compiles: the same on ranks whose worker
+    would compile the same graph the same way (the ranks' own places in their groups and CUDA
+    devices left out: Inductor's code does not depend on them)."""
+    specs = input_specs(vals)
+    gm = portable_copy(flat) if specs is not None else None
+    if gm is None:
+        return None
+    groups = {}
+    for name in group_names(gm):
+        pg = dist.distributed_c10d._resolve_process_group(name)
+        groups[name] = (pg.rank(), pg.size())
+    state = process_state()
+    try:
+        graph = pickle.dumps(gm)
+        shared = pickle.dumps({
+            "inputs": specs, "group_sizes": {k: v[1] for k, v in groups.items()},
+            "inductor_config": torch._inductor.config.save_config(),
+            "functorch_config": torch._functorch.config.save_config(),
+            "process_state": {k: v for k, v in state.items() if k != "cuda_device"},
+        })
+        payload = pickle.dumps({
+            "gm": graph, "inputs": specs, "groups": groups,
+            "inductor_config": torch._inductor.config.save_config(),
+            "process_state": state,
+            "functorch_config": torch._functorch.config.save_config(),
+        })
+    except Exception as e:  # noqa: BLE001 - an unpicklable graph compiles in the foreground
+        log.info("background compile: the graph cannot be pickled (%s)", e)
+        return None
+    return payload, hashlib.sha256(graph + shared).hexdigest()
+
+
+def process_state() -> dict[str, Any]:
+    """Process-wide settings Inductor's cache key (and its code) depends on, for the worker."""
+    matmul = torch.backends.cuda.matmul
+    return {
+        "num_threads": torch.get_num_threads(),
+        "grad_enabled": torch.is_grad_enabled(),
+        "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled(),
+                          torch.utils.deterministic.fill_uninitialized_memory),
+        "default_dtype": torch.get_default_dtype(),
+        "matmul": (matmul.fp32_precision, matmul.allow_fp16_reduced_precision_reduction,
+                   matmul.allow_bf16_reduced_precision_reduction),
+        "cuda_device": torch.cuda.current_device() if torch.cuda.is_available() else None,
+    }
+
+
+__all__ = ["group_names", "input_specs", "make_payload", "portable_copy", "process_state"]
