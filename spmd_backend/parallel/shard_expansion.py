@@ -88,7 +88,7 @@ def expand_shard_markers(
             shard, fqn, world = marker.args
             wait = add_collective(
                 graph, shard, c10d.all_gather_into_tensor.default, (world, group_name),
-                name="all_gather", owner=owner_of(str(fqn)), before=marker,
+                name="all_gather", owner=owner_of(str(fqn)), params=[str(fqn)], before=marker,
             )
             wait.args[0].meta["val"] = wait.meta["val"] = marker.meta["val"]
             marker.replace_all_uses_with(wait)

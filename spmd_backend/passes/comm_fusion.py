@@ -13,7 +13,20 @@ Compressed collectives (``DataParallel(gradient_compression=...)``: cast, pre-di
 back) are bucketed with their kind only, and the bucket is compressed as a whole: flatten -> cat
 -> cast -> divide -> all_reduce -> wait -> cast back -> split (elementwise, so the numerics are
 those of one gradient at a time, as in DDP's hook on its own buckets).
-An absent pattern (no unfused gradient all_reduce) is a logged no-op.
+Sharded optimizer state (``DataParallel(shard_optimizer=True)``): per-parameter reduce_scatters
+and all_gathers are bucketed the same way (by kind, group, op, world size and dtype; the size is
+the full gradient's or parameter's). A bucket lays the flat, padded tensors out rank-major, so
+each rank's slices are contiguous and one collective moves them all::
+
+    reduce_scatter:  g_i [W*c_i] -> view [W, c_i] -> cat(dim 1) [W, C] -> view -> reduce_scatter
+                     -> wait [C] -> split(c_i) -> this rank's shard of each gradient
+    all_gather:      s_i [c_i] -> cat [C] -> all_gather -> wait [W*C] -> view [W, C]
+                     -> split(c_i, dim 1) -> reshape [W*c_i] (each parameter's gathered shards)
+
+A reduce_scatter bucket is placed where its last gradient becomes ready; an all_gather bucket
+right after its last updated shard, and only where every parameter copy that reads it comes
+later (else its members stay apart, logged).
+An absent pattern (no unfused gradient collective) is a logged no-op.
 
 ::
 
@@ -32,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from spmd_backend.graph import ops
 from spmd_backend.graph.comm import CommBlock, Compression, get_all_comm_blocks
 from spmd_backend.graph.meta import (
     BUCKET_PARAMS_KEY,
@@ -60,9 +74,20 @@ class Bucket:
     blocks: tuple[CommBlock, ...]
     nbytes: int
     group: str
-    reduce_op: str
+    reduce_op: str | None
     dtype: torch.dtype
     compression: Compression | None = None
+    #: "all_reduce", "reduce_scatter" or "all_gather"
+    kind: str = "all_reduce"
+    #: the world size of a reduce_scatter/all_gather bucket
+    world: int | None = None
+
+
+#: sharded-optimizer collectives (one parameter each before bucketing)
+SHARD_KINDS = {
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_gather_into_tensor.default: "all_gather",
+}
 
 
 def _grad(block: CommBlock) -> fx.Node:
@@ -74,39 +99,60 @@ def _compression(block: CommBlock) -> Compression | None:
     return block.comm_node.meta.get(COMPRESSION_KEY)
 
 
+def _bucket_key(block: CommBlock) -> tuple[tuple, int] | None:
+    """(what must be equal to share a bucket, the bytes the block adds) for an unfused block;
+    None for anything else."""
+    node = block.comm_node
+    kind = SHARD_KINDS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
+    if kind is None:
+        val = _grad(block).meta.get("val") if block.unfused and ops.is_all_reduce(node) else None
+        if not isinstance(val, torch.Tensor):
+            return None
+        key = ("all_reduce", block.group, block.reduce_op, None, val.dtype, val.device,
+               _compression(block))
+        return key, tensor_nbytes(val)
+    if len(bucket_params(node)) != 1:
+        return None  # fused already
+    full = node.args[0].meta.get("val") if kind == "reduce_scatter" else block.wait_node.meta.get("val")
+    if not isinstance(full, torch.Tensor):
+        return None
+    op, world = (node.args[1], node.args[2]) if kind == "reduce_scatter" else (None, node.args[1])
+    return (kind, block.group, op, world, full.dtype, full.device, None), tensor_nbytes(full)
+
+
+def _bucket(members: list[CommBlock], nbytes: int, key: tuple) -> Bucket:
+    kind, group, reduce_op, world, dtype, _, compression = key
+    return Bucket(tuple(members), nbytes, group, reduce_op, dtype, compression, kind, world)
+
+
 def plan_buckets(graph: fx.Graph, bucket_size_mb: float) -> list[Bucket]:
     """The buckets :func:`comm_fusion_with_concat` would build (analysis only)."""
     cap = int(bucket_size_mb * 1024 * 1024)
     open_buckets: dict[tuple, list[CommBlock]] = {}
     sizes: dict[tuple, int] = {}
-    planned: list[tuple[int, Bucket]] = []
+    planned: list[Bucket] = []
     closed: set[tuple] = set()  # keys whose first (1 MiB) bucket is closed, as in DDP
-    for block in get_all_comm_blocks(graph):
-        if not block.unfused:
-            continue  # already fused
-        val = _grad(block).meta.get("val")
-        if not isinstance(val, torch.Tensor):
+    for block in get_all_comm_blocks(graph, ops.is_collective):
+        keyed = _bucket_key(block)
+        if keyed is None:
             continue
-        key = (block.group, block.reduce_op, val.dtype, val.device, _compression(block))
+        key, nbytes = keyed
         members = open_buckets.setdefault(key, [])
         members.append(block)
-        sizes[key] = sizes.get(key, 0) + tensor_nbytes(val)
+        sizes[key] = sizes.get(key, 0) + nbytes
         limit = cap if key in closed else FIRST_BUCKET_BYTES
         if sizes[key] >= limit:
             closed.add(key)
-            planned.append((len(planned), Bucket(tuple(members), sizes[key], *_kind(key))))
+            planned.append(_bucket(members, sizes[key], key))
             open_buckets[key] = []
             sizes[key] = 0
     for key, members in open_buckets.items():
         if members:
-            planned.append((len(planned), Bucket(tuple(members), sizes[key], *_kind(key))))
+            planned.append(_bucket(members, sizes[key], key))
+    # a shard collective alone in its bucket is already what fusing it would make
+    planned = [b for b in planned if b.kind == "all_reduce" or len(b.blocks) > 1]
     order = node_order(graph)
-    return [b for _, b in sorted(planned, key=lambda ib: order[ib[1].blocks[-1].comm_node])]
-
-
-def _kind(key: tuple) -> tuple:
-    group, reduce_op, dtype, _, compression = key
-    return group, reduce_op, dtype, compression
+    return sorted(planned, key=lambda b: order[b.blocks[-1].comm_node])
 
 
 def _common_prefix(fqns: list[str]) -> str | None:
@@ -125,14 +171,7 @@ def _fuse(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node:
     blocks = bucket.blocks
     params = [p for b in blocks for p in bucket_params(b.comm_node)]
     fqn = _common_prefix([owner_of(p) for p in params])
-    new_nodes: list[fx.Node] = []
-
-    def emit(target: object, args: tuple) -> fx.Node:
-        node = graph.call_function(target, args)
-        new_nodes.append(node)
-        annotate(node, fqn=fqn, phase=Phase.COMM)
-        propagate_val(node, fake_mode)
-        return node
+    emit = _emitter(graph, fqn, fake_mode)
 
     last = blocks[-1].comm_node
     with graph.inserting_before(last):
@@ -168,24 +207,101 @@ def _fuse(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node:
     return comm
 
 
+def _emitter(graph: fx.Graph, fqn: str | None, fake_mode: object):  # noqa: ANN202
+    def emit(target: object, args: tuple, val: torch.Tensor | None = None) -> fx.Node:
+        node = graph.call_function(target, args)
+        annotate(node, fqn=fqn, phase=Phase.COMM)
+        if val is None:
+            propagate_val(node, fake_mode)
+        else:
+            node.meta["val"] = val
+        return node
+
+    return emit
+
+
+def _shard_anchor(graph: fx.Graph, bucket: Bucket) -> fx.Node | None:
+    """Where a shard bucket's collective goes: before its last member's collective for a
+    reduce_scatter, right after its last updated shard for an all_gather; None when something
+    reads a member's result before that (the bucket cannot be formed)."""
+    blocks = bucket.blocks
+    order = node_order(graph)
+    if bucket.kind == "reduce_scatter":
+        anchor = blocks[-1].comm_node
+    else:
+        anchor = max((b.comm_node.args[0] for b in blocks), key=order.__getitem__).next
+    members = {n for b in blocks for n in b.node_list}
+    readers = [u for b in blocks for out in b.outputs for u in out.users if u not in members]
+    if any(order[u] < order[anchor] for u in readers):
+        return None
+    return anchor
+
+
+def _fuse_shard(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node | None:
+    """One reduce_scatter or all_gather for the bucket's parameters, rank-major (see the module
+    docstring); None when the bucket cannot be formed."""
+    anchor = _shard_anchor(graph, bucket)
+    if anchor is None:
+        return None
+    blocks, world = bucket.blocks, int(bucket.world or 1)
+    params = [p for b in blocks for p in bucket_params(b.comm_node)]
+    emit = _emitter(graph, _common_prefix([owner_of(p) for p in params]), fake_mode)
+    chunks = [b.wait_node.meta["val"].numel() // (world if bucket.kind == "all_gather" else 1)
+              for b in blocks]
+    total = sum(chunks)
+    with graph.inserting_before(anchor):
+        if bucket.kind == "reduce_scatter":
+            rows = [emit(aten.view.default, (b.comm_node.args[0], [world, c]))
+                    for b, c in zip(blocks, chunks)]
+            packed = emit(aten.view.default, (emit(aten.cat.default, (rows, 1)), [-1]))
+            comm = emit(c10d.reduce_scatter_tensor.default,
+                        (packed, bucket.reduce_op, world, bucket.group), packed.meta["val"].new_empty(total))
+        else:
+            packed = emit(aten.cat.default, ([b.comm_node.args[0] for b in blocks],))
+            comm = emit(c10d.all_gather_into_tensor.default, (packed, world, bucket.group),
+                        packed.meta["val"].new_empty(world * total))
+        comm.meta[BUCKET_PARAMS_KEY] = params
+        wait = emit(c10d.wait_tensor.default, (comm,), comm.meta["val"])
+        if bucket.kind == "reduce_scatter":
+            split = emit(aten.split_with_sizes.default, (wait, chunks))
+            pieces = [emit(operator.getitem, (split, i)) for i in range(len(blocks))]
+        else:
+            split = emit(aten.split_with_sizes.default,
+                         (emit(aten.view.default, (wait, [world, total])), chunks, 1))
+            pieces = [emit(aten.reshape.default, (emit(operator.getitem, (split, i)), [-1]))
+                      for i in range(len(blocks))]
+    for b, piece in zip(blocks, pieces):
+        b.wait_node.replace_all_uses_with(piece)
+        graph.erase_node(b.wait_node)
+        graph.erase_node(b.comm_node)
+    return comm
+
+
 def comm_fusion_with_concat(gm: object, bucket_size_mb: float = 25) -> None:
-    """Bucket gradient all_reduces (see the module docstring)."""
+    """Bucket gradient collectives (see the module docstring)."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
     buckets = plan_buckets(graph, bucket_size_mb)
     if not buckets:
-        log.info("comm_fusion_with_concat: no unfused gradient all_reduce; nothing to do")
+        log.info("comm_fusion_with_concat: no unfused gradient collective; nothing to do")
         return
     fake_mode = fake_mode_of(graph)
+    fused: dict[str, list[int]] = {}
     for bucket in buckets:
-        comm = _fuse(graph, bucket, fake_mode)
+        comm = _fuse(graph, bucket, fake_mode) if bucket.kind == "all_reduce" else (
+            _fuse_shard(graph, bucket, fake_mode))
+        if comm is None:
+            log.info("comm_fusion_with_concat: %d %ss stay apart (a parameter copy reads one "
+                     "before the last shard is updated)", len(bucket.blocks), bucket.kind)
+            continue
+        fused.setdefault(bucket.kind, [0, 0])
+        fused[bucket.kind][0] += len(bucket.blocks)
+        fused[bucket.kind][1] += 1
         log.debug(
             "bucket %s: %d gradients, %.2f MiB, %s", comm.name, len(bucket.blocks),
             bucket.nbytes / 2**20, bucket.reduce_op,
         )
-    log.info(
-        "comm_fusion_with_concat: %d all_reduces -> %d buckets",
-        sum(len(b.blocks) for b in buckets), len(buckets),
-    )
+    log.info("comm_fusion_with_concat: %s", ", ".join(
+        f"{n} {kind}s -> {k} buckets" for kind, (n, k) in fused.items()) or "nothing fused")
 
 
 declare_pass(comm_fusion_with_concat)
