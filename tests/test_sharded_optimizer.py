@@ -10,6 +10,7 @@ control replaces the gradient reduce_scatter by a local slice: parity must then 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pathlib
 
 import pytest
@@ -270,7 +271,7 @@ def test_dynamo_door_refuses_shard_optimizer_naming_the_compile_door() -> None:
 
 
 # ----------------------------------------------------------------------------- bucketing
-def _bucketed_job(rank: int, world: int, impl: str) -> dict:
+def _bucketed_job(rank: int, world: int, impl: str, buckets: bool | None) -> dict:
     """The default passes bucket the per-parameter reduce_scatters and all_gathers; parity with
     DDP (uneven sizes: a 21-element weight padded to 22, replicated tiny parameters)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -278,6 +279,7 @@ def _bucketed_job(rank: int, world: int, impl: str) -> dict:
     import spmd_backend
     from spmd_backend.gm_transformation import GraphModuleTransformation
     from spmd_backend.graph import ops
+    from spmd_backend.passes import comm_fusion_with_concat, default_pipeline
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 5))
@@ -287,8 +289,13 @@ def _bucketed_job(rank: int, world: int, impl: str) -> dict:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, **kwargs)
     ddp = DDP(ref)
 
+    transformation = GraphModuleTransformation(enable_graph_optimization=True)
+    if buckets is not None:  # gloo's default is per-parameter collectives: ask for buckets
+        transformation.config = dataclasses.replace(transformation.config, passes=(
+            (comm_fusion_with_concat, {"shard_buckets": buckets}), *default_pipeline(25)[1:]))
+
     @spmd_backend.compile(
-        gm_transformation=GraphModuleTransformation(enable_graph_optimization=True),
+        gm_transformation=transformation,
         parallel_mode=spmd_backend.DataParallel(reduce_op="avg", shard_optimizer=True),
     )
     def step(model, opt, x):
@@ -314,10 +321,12 @@ def _bucketed_job(rank: int, world: int, impl: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("impl", ["single", "fused"])
-def test_shard_collectives_are_bucketed_and_match_ddp(rank_pool, impl: str) -> None:
-    results = rank_pool.run(_bucketed_job, impl)
+@pytest.mark.parametrize("impl, buckets", [("single", True), ("fused", True), ("single", None)])
+def test_shard_collectives_are_bucketed_and_match_ddp(rank_pool, impl: str, buckets) -> None:
+    results = rank_pool.run(_bucketed_job, impl, buckets)
     for r in results:
-        # 6 sharded parameters (every one has >= 2 elements): one bucket each way
-        assert r["reduce_scatter"] == 1 and r["all_gather"] == 1, r
+        if buckets:  # 6 sharded parameters (each has >= 2 elements): one bucket each way
+            assert r["reduce_scatter"] == 1 and r["all_gather"] == 1, r
+        else:  # gloo's default: one pair per parameter
+            assert r["reduce_scatter"] == 6 and r["all_gather"] == 6, r
         assert r["diff"] < 1e-6, r

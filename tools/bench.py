@@ -23,7 +23,8 @@ Writes JSON and a markdown table. A benchmark, not a test.
 
 Variants: ddp, ddp_compiled (torch.compile of the DDP model), spmd (no transformation),
 spmd_opt (graph optimization), spmd_opt_inductor (graph optimization + Inductor), spmd_shard
-(spmd_opt_inductor with ``DataParallel(shard_optimizer=True)``), spmd_dynamo
+(spmd_opt_inductor with ``DataParallel(shard_optimizer=True)``; spmd_shard_buckets: the same with
+its reduce_scatters and all_gathers bucketed, which is not gloo's default), spmd_dynamo
 (``torch.compile(step, backend="spmd")``: bucketing, wait scheduling, Inductor), ddp_bf16 (DDP
 with its ``bf16_compress_hook``) and spmd_bf16 (spmd_opt_inductor with
 ``DataParallel(gradient_compression="bf16")``).
@@ -51,7 +52,7 @@ from spmd_backend.testing import run_on_ranks  # noqa: E402
 
 ALL_VARIANTS = [
     "ddp", "ddp_compiled", "spmd", "spmd_opt", "spmd_opt_inductor", "spmd_shard", "spmd_dynamo",
-    "ddp_bf16", "spmd_bf16",
+    "ddp_bf16", "spmd_bf16", "spmd_shard_buckets",
 ]
 #: how the optimizer is spelled on every side: as most users write it, or tuned
 OPTIMIZERS = {"default": {}, "fused": {"fused": True}}
@@ -175,12 +176,20 @@ def _build(variant: str, build, step_fn, device, optim: str = "fused"):
     if variant != "spmd":
         transformation = GraphModuleTransformation(
             enable_graph_optimization=True,
-            enable_inductor=variant in ("spmd_opt_inductor", "spmd_shard", "spmd_bf16"),
+            enable_inductor=variant in ("spmd_opt_inductor", "spmd_shard", "spmd_bf16",
+                                        "spmd_shard_buckets"),
         )
+    if variant == "spmd_shard_buckets":
+        import dataclasses
+
+        from spmd_backend.passes import comm_fusion_with_concat, default_pipeline
+
+        transformation.config = dataclasses.replace(transformation.config, passes=(
+            (comm_fusion_with_concat, {"shard_buckets": True}), *default_pipeline(25)[1:]))
     step = spmd_backend.compile(
         gm_transformation=transformation,
         parallel_mode=spmd_backend.DataParallel(
-            reduce_op="avg", shard_optimizer=variant == "spmd_shard",
+            reduce_op="avg", shard_optimizer=variant in ("spmd_shard", "spmd_shard_buckets"),
             gradient_compression="bf16" if variant == "spmd_bf16" else None,
         ),
     )(step_fn)

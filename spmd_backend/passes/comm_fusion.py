@@ -25,7 +25,10 @@ each rank's slices are contiguous and one collective moves them all::
 
 A reduce_scatter bucket is placed where its last gradient becomes ready; an all_gather bucket
 right after its last updated shard, and only where every parameter copy that reads it comes
-later (else its members stay apart, logged).
+later (else its members stay apart, logged). ``shard_buckets`` chooses; by default (None) every
+process group but gloo's buckets them: on gloo one bucketed reduce_scatter + all_gather pair
+measured slower than per-parameter ones (docs/benchmarks.md), while NCCL's per-collective
+latency is what bucketing exists for.
 An absent pattern (no unfused gradient collective) is a logged no-op.
 
 ::
@@ -43,6 +46,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from spmd_backend.graph import ops
@@ -125,7 +129,19 @@ def _bucket(members: list[CommBlock], nbytes: int, key: tuple) -> Bucket:
     return Bucket(tuple(members), nbytes, group, reduce_op, dtype, compression, kind, world)
 
 
-def plan_buckets(graph: fx.Graph, bucket_size_mb: float) -> list[Bucket]:
+def shard_bucketing(group: str, choice: bool | None = None) -> bool:
+    """Whether reduce_scatters/all_gathers on ``group`` are bucketed (see the module doc)."""
+    if choice is not None:
+        return choice
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(group)
+    except (RuntimeError, ValueError):
+        return True
+    return dist.get_backend(pg) != "gloo"
+
+
+def plan_buckets(graph: fx.Graph, bucket_size_mb: float,
+                 shard_buckets: bool | None = None) -> list[Bucket]:
     """The buckets :func:`comm_fusion_with_concat` would build (analysis only)."""
     cap = int(bucket_size_mb * 1024 * 1024)
     open_buckets: dict[tuple, list[CommBlock]] = {}
@@ -150,7 +166,8 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float) -> list[Bucket]:
         if members:
             planned.append(_bucket(members, sizes[key], key))
     # a shard collective alone in its bucket is already what fusing it would make
-    planned = [b for b in planned if b.kind == "all_reduce" or len(b.blocks) > 1]
+    planned = [b for b in planned if b.kind == "all_reduce" or (
+        len(b.blocks) > 1 and shard_bucketing(b.group, shard_buckets))]
     order = node_order(graph)
     return sorted(planned, key=lambda b: order[b.blocks[-1].comm_node])
 
@@ -277,10 +294,11 @@ def _fuse_shard(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node |
     return comm
 
 
-def comm_fusion_with_concat(gm: object, bucket_size_mb: float = 25) -> None:
+def comm_fusion_with_concat(gm: object, bucket_size_mb: float = 25,
+                            shard_buckets: bool | None = None) -> None:
     """Bucket gradient collectives (see the module docstring)."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
-    buckets = plan_buckets(graph, bucket_size_mb)
+    buckets = plan_buckets(graph, bucket_size_mb, shard_buckets)
     if not buckets:
         log.info("comm_fusion_with_concat: no unfused gradient collective; nothing to do")
         return
