@@ -268,3 +268,41 @@ def test_a_worker_failing_on_one_rank_keeps_both_on_the_fx_graph(rank_pool, fail
         assert r["states"] == ["failed"], r
         assert r["replicas_equal"]
         assert r["ddp_diff"] < 1e-5, r
+
+
+def _dynamo_door_switch(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(m, o, x):
+        loss = m(x).sum()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend="spmd", options={"background_compile": True})
+    x = torch.randn(4, 8)
+    compiled(model, opt, x)
+    compiled(model, opt, x)  # starts the worker
+    wait_for_background(timeout=600)
+    counters = torch._dynamo.utils.counters["aot_autograd"]
+    before = dict(counters)
+    compiled(model, opt, x)
+    return {
+        "states": [m.state for m in list(background._LIVE) if m.calls],
+        "hits": counters["autograd_cache_hit"] - before.get("autograd_cache_hit", 0),
+        "misses": counters["autograd_cache_miss"] - before.get("autograd_cache_miss", 0),
+    }
+
+
+def test_the_dynamo_door_loads_the_workers_autograd_cache_entry():
+    # the copy this process compiles at the switch must have the worker's AOTAutograd cache
+    # key, or the switching step re-traces the whole graph (seconds on a transformer); a copy
+    # unpickled inside Dynamo's compile did not (its attributes were in another order)
+    from spmd_backend.testing import run_on_ranks
+
+    (result,) = run_on_ranks(_dynamo_door_switch, world_size=1, timeout=600)
+    assert result["states"] == ["compiled"], result
+    assert result["hits"] == 1 and result["misses"] == 0, result

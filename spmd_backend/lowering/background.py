@@ -89,12 +89,13 @@ class BackgroundLowered(nn.Module):
         super().__init__()
         self.source = gm
         self.graph = gm.graph
-        # what this process compiles is the worker's copy: a pickle round trip renames nodes
-        # the way unpickling does, so both compute the same cache key
-        # (outside the fake mode a Dynamo compile runs this in: its constants must be real)
+        # what this process compiles is the worker's copy, unpickled when it is compiled: a
+        # pickle round trip renames nodes the way unpickling does, and unpickled at run time
+        # (not inside a Dynamo compile, which leaves the module's attributes in another order)
+        # AOTAutograd's and Inductor's cache keys are the worker's
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
             copy = pickle.loads(payload)  # noqa: S301 - our own bytes
-            self._flat: fx.GraphModule | None = pickle.loads(copy["gm"])  # noqa: S301
+        self._flat: bytes | None = copy["gm"]
         self._specs: list[Any] = copy["inputs"]
         self._configs = (pickle.loads(copy["inductor_config"]),  # noqa: S301
                          pickle.loads(copy["functorch_config"]))  # noqa: S301
@@ -205,7 +206,8 @@ class BackgroundLowered(nn.Module):
                     torch._subclasses.fake_tensor.unset_fake_temporarily():
                 inputs = fake_inputs(self._specs)
                 assert self._flat is not None
-                self._compiled = compile_flat(self._flat, self._spec, self.source, inputs)
+                flat = pickle.loads(self._flat)  # noqa: S301 - our own bytes
+                self._compiled = compile_flat(flat, self._spec, self.source, inputs)
         except Exception as e:  # noqa: BLE001 - stay on the fx graph, loudly
             self._local, self._why = FAILED, f"{type(e).__name__}: {str(e)[:300]}"
             return
