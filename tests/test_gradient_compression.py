@@ -27,6 +27,19 @@ def _bucketed(gm):
     return GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.01)(gm)
 
 
+def _shard_bucketed(gm):
+    """Bucketing with the reduce_scatters and all_gathers bucketed too (not gloo's default)."""
+    import dataclasses
+
+    from spmd_backend.passes import comm_fusion_with_concat, default_pipeline
+
+    transformation = GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.01)
+    transformation.config = dataclasses.replace(transformation.config, passes=(
+        (comm_fusion_with_concat, {"bucket_size_mb": 0.01, "shard_buckets": True}),
+        *default_pipeline(0.01)[1:]))
+    return transformation(gm)
+
+
 CASES = {
     "bf16-avg-per-gradient": ParityCase("mlp", SGD, steps=4, reduce_op="avg",
                                         gradient_compression="bf16"),
@@ -42,6 +55,12 @@ CASES = {
                                          gradient_compression="fp16"),
     "bf16-dynamo": ParityCase("mlp", SGD, steps=4, reduce_op="avg", gradient_compression="bf16",
                               dynamo_options={"inductor": False}),
+    # sharded optimizer state: each rank's reduce_scatter slice of the compressed sum
+    "fp16-avg-sharded-sgd": ParityCase("mlp", SGD, steps=4, reduce_op="avg",
+                                       gradient_compression="fp16", shard_optimizer=True),
+    "bf16-sum-sharded-adam-shard-buckets": ParityCase(
+        "mlp", OptimSpec("adam", "foreach", lr=1e-3), steps=4, gradient_compression="bf16",
+        shard_optimizer=True, transformation=_shard_bucketed),
 }
 
 
@@ -81,15 +100,18 @@ def test_negative_control_uncompressed_step_differs_from_the_hook(rank_pool):
         assert message != "matched", "the bf16 rounding must be visible to the parity check"
 
 
-def _graph_job(rank: int, world: int) -> dict:
+def _graph_job(rank: int, world: int, sharded: bool) -> dict:
     import spmd_backend
     from spmd_backend.graph import ops
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    c10d = torch.ops._c10d_functional
+    kind = c10d.reduce_scatter_tensor.default if sharded else c10d.all_reduce.default
 
     @spmd_backend.compile(gm_transformation=_bucketed,
-                          parallel_mode=DataParallel(reduce_op="avg", gradient_compression="bf16"))
+                          parallel_mode=DataParallel(reduce_op="avg", gradient_compression="bf16",
+                                                     shard_optimizer=sharded))
     def step(model, opt, x):
         model(x).sum().backward()
         opt.step()
@@ -97,22 +119,30 @@ def _graph_job(rank: int, world: int) -> dict:
 
     step(model, opt, torch.randn(4, 8))
     graph = getattr(step.graph.runner, "graph", step.graph.traced.gm.graph)
-    comms = [n for n in graph.nodes if ops.is_all_reduce(n)]
+    comms = [n for n in graph.nodes if ops.is_call_to(n, kind)]
+    gathers = [n for n in graph.nodes if ops.is_call_to(n, c10d.all_gather_into_tensor.default)]
     return {
         "dtypes": sorted({str(n.args[0].meta["val"].dtype) for n in comms}),
         "ops": sorted({str(n.args[1]) for n in comms}),
         "count": len(comms),
+        "gathered": sorted({str(n.args[0].meta["val"].dtype) for n in gathers}),
     }
 
 
 def test_collectives_run_in_the_compressed_dtype(rank_pool):
-    out = rank_pool.run(_graph_job)[0]
+    out = rank_pool.run(_graph_job, False)[0]
     assert out["dtypes"] == ["torch.bfloat16"] and out["ops"] == ["sum"], out
     assert 1 <= out["count"] < 4, out  # bucketed: fewer collectives than the 4 gradients
+
+
+def test_sharded_reduce_scatters_run_in_the_compressed_dtype(rank_pool):
+    out = rank_pool.run(_graph_job, True)[0]
+    assert out["dtypes"] == ["torch.bfloat16"] and out["ops"] == ["sum"], out
+    # every parameter has >= 2 elements: 4 sharded, one reduce_scatter each on gloo
+    assert out["count"] == 4 and out["gathered"] == ["torch.float32"], out
 
 
 def test_options_are_validated():
     with pytest.raises(SpmdUsageError, match="gradient_compression='int8'"):
         DataParallel(gradient_compression="int8")
-    with pytest.raises(SpmdUsageError, match="not supported yet"):
-        DataParallel(gradient_compression="bf16", shard_optimizer=True)
+    assert DataParallel(gradient_compression="bf16", shard_optimizer=True).shard_optimizer

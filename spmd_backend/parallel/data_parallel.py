@@ -69,8 +69,8 @@ class DataParallel:
     :mod:`spmd_backend.tracing.sharding` and :mod:`spmd_backend.parallel.sharded_state`.
     ``gradient_compression``: ``"bf16"`` or ``"fp16"`` to all_reduce gradients in that precision
     with the semantics of DDP's ``bf16_compress_hook``/``fp16_compress_hook`` (cast, divide by
-    the world size for ``avg``, sum, cast back); ``None`` (default) reduces in the gradients'
-    own dtype.
+    the world size for ``avg``, sum, cast back; with ``shard_optimizer`` the reduce_scatter is
+    compressed the same way); ``None`` (default) reduces in the gradients' own dtype.
     """
 
     reduce_op: str = "sum"
@@ -93,11 +93,6 @@ class DataParallel:
                 raise SpmdUsageError(
                     f"DataParallel(gradient_compression={self.gradient_compression!r}): expected "
                     f"None or one of {sorted(_COMPRESSION_DTYPES)}"
-                )
-            if self.shard_optimizer:
-                raise SpmdUsageError(
-                    "DataParallel: gradient_compression with shard_optimizer=True is not "
-                    "supported yet (the reduce_scatter is not compressed); use one of them"
                 )
 
     def compression(self, world: int) -> Compression | None:
@@ -245,17 +240,18 @@ def expand_data_parallel(
             graph.erase_node(m)
             merged += 1
         to_reduce.append(last)
+    world = mode.process_group().size()
+    compression = mode.compression(world)
     shards = expand_shard_markers(
         graph, {str(m.args[1]): m for m in to_reduce}, reduce_op=mode.reduce_op,
         group_name=group_name, allow_reduce_scatter=not mode.check_finite_grads,
+        compression=compression,
     )
     for m in shards.consumed:
         to_reduce.remove(m)
         m.replace_all_uses_with(m.args[0])
         graph.erase_node(m)
     to_reduce.extend(contributions)
-    world = mode.process_group().size()
-    compression = mode.compression(world)
     for marker in to_reduce:
         if compression is not None:
             wait = _expand_compressed(graph, marker, compression, group_name)

@@ -15,7 +15,12 @@ marker of each parameter (not yet expanded). Guarantees:
   GradScaler's unscale, a ``.grad`` that outlives the step, a gradient accumulated across calls)
   becomes a slice of the all-reduced gradient (``view``, ``constant_pad_nd``, ``slice``,
   ``clone``), so what the step computes never depends on which path was taken;
-* ``param_gather(s, fqn, W)`` becomes ``wait_tensor(all_gather_into_tensor(s, W, group))``;
+* with ``gradient_compression`` the reduce_scatter is compressed as DDP's hooks compress an
+  all_reduce: cast to the low dtype, divide by W for ``avg``, reduce_scatter with ``sum``, cast
+  back (each rank receives exactly its slice of what the compressed all_reduce would give);
+  the slice path's all_reduce is compressed by the caller like any other;
+* ``param_gather(s, fqn, W)`` becomes ``wait_tensor(all_gather_into_tensor(s, W, group))``
+  (parameters travel in their own dtype);
 * with ``check_finite_grads`` every gradient keeps its all_reduce (a check on one rank's slice
   could fail on one rank only).
 """
@@ -29,8 +34,9 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from spmd_backend.graph import ops
-from spmd_backend.graph.meta import Phase, inherit, owner_of
-from spmd_backend.parallel.collectives import add_collective
+from spmd_backend.graph.comm import Compression
+from spmd_backend.graph.meta import COMPRESSION_KEY, Phase, inherit, owner_of
+from spmd_backend.parallel.collectives import add_collective, compress, decompress
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -72,6 +78,29 @@ def _flat_padded(
     return _emit(graph, aten.constant_pad_nd.default, (flat, [0, chunk * world - numel], 0.0), like, phase)
 
 
+def _reduce_scatter(graph: fx.Graph, ready: fx.Node, marker: fx.Node, reduce_op: str,
+                    group_name: str, compression: Compression | None) -> fx.Node:
+    """The reduced shard of ``ready``'s gradient, issued where the gradient became final (as
+    its all_reduce would be); returns what replaces ``marker``."""
+    grad, fqn, _rank, world = marker.args
+    shard = marker.meta["val"]
+    padded = _flat_padded(graph, ready.args[0], world, shard.numel(), ready, Phase.COMM)
+    owner = owner_of(str(fqn))
+    if compression is not None:
+        padded = compress(graph, padded, compression, owner, before=ready)
+        reduce_op = "sum"
+    wait = add_collective(
+        graph, padded, c10d.reduce_scatter_tensor.default, (reduce_op, world, group_name),
+        name="reduce_scatter", owner=owner, params=[str(fqn)], before=ready,
+    )
+    low = shard if compression is None else shard.to(compression.dtype)
+    wait.args[0].meta["val"] = wait.meta["val"] = low
+    if compression is None:
+        return wait
+    wait.args[0].meta[COMPRESSION_KEY] = compression
+    return decompress(graph, wait, shard.dtype, owner)
+
+
 def expand_shard_markers(
     graph: fx.Graph,
     last_ready: dict[str, fx.Node],
@@ -79,6 +108,7 @@ def expand_shard_markers(
     reduce_op: str,
     group_name: str,
     allow_reduce_scatter: bool,
+    compression: Compression | None = None,
 ) -> ShardExpansion:
     """Expand every ``grad_shard``/``param_gather`` marker of ``graph`` (see the module doc)."""
     consumed: set[fx.Node] = set()
@@ -101,14 +131,8 @@ def expand_shard_markers(
         ready = last_ready.get(str(fqn))
         chunk = marker.meta["val"].numel()
         if allow_reduce_scatter and grad is ready and set(ready.users) == {marker}:
-            # issued where the gradient became final (as its all_reduce would be)
-            padded = _flat_padded(graph, ready.args[0], world, chunk, ready, Phase.COMM)
-            wait = add_collective(
-                graph, padded, c10d.reduce_scatter_tensor.default, (reduce_op, world, group_name),
-                name="reduce_scatter", owner=owner_of(str(fqn)), params=[str(fqn)], before=ready,
-            )
-            wait.args[0].meta["val"] = wait.meta["val"] = marker.meta["val"]
-            marker.replace_all_uses_with(wait)
+            out = _reduce_scatter(graph, ready, marker, reduce_op, group_name, compression)
+            marker.replace_all_uses_with(out)
             graph.erase_node(marker)
             consumed.add(ready)
             continue

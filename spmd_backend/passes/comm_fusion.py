@@ -291,6 +291,9 @@ def _fuse_shard(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node |
         b.wait_node.replace_all_uses_with(piece)
         graph.erase_node(b.wait_node)
         graph.erase_node(b.comm_node)
+        for node in b.tail_nodes:  # a compressed gradient's cast back: after its piece
+            piece.append(node)
+            piece = node
     return comm
 
 
