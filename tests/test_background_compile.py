@@ -180,17 +180,22 @@ def test_option_is_validated_and_read_from_the_environment(monkeypatch):
 
 
 # --------------------------------------------------------------------------- two ranks
-def _train(rank: int, world: int, fail_on_rank: int | None, hosts: tuple[str, ...] = ()) -> dict:
+def _train(rank: int, world: int, fail_on_rank: int | None, hosts: tuple[str, ...] = (),
+           no_payload_on_rank: int | None = None) -> dict:
     """``hosts``: each rank's host name as the ranks see it (empty: the real one, shared)."""
     worker, hostname = background.WORKER_MODULE, background.socket.gethostname
+    make_payload = background.make_payload
     if rank == fail_on_rank:
         background.WORKER_MODULE = "spmd_backend.lowering.no_such_worker"
     if hosts:
         background.socket.gethostname = lambda: hosts[rank]
+    if rank == no_payload_on_rank:
+        background.make_payload = lambda *a: None
     try:
         return _train_steps(rank, world)
     finally:
         background.WORKER_MODULE, background.socket.gethostname = worker, hostname
+        background.make_payload = make_payload
 
 
 def _train_steps(rank: int, world: int) -> dict:
@@ -306,3 +311,39 @@ def test_the_dynamo_door_loads_the_workers_autograd_cache_entry():
     (result,) = run_on_ranks(_dynamo_door_switch, world_size=1, timeout=600)
     assert result["states"] == ["compiled"], result
     assert result["hits"] == 1 and result["misses"] == 0, result
+
+
+def test_a_graph_called_once_never_pays_for_the_copy(monkeypatch):
+    made = []
+    real = background.make_payload
+    monkeypatch.setattr(background, "make_payload", lambda *a: made.append(1) or real(*a))
+    module = lower_in_background(_graph())
+    module(*_inputs())
+    assert made == [] and module._flat is None and pending() == 0
+    module(*_inputs())  # the second call makes the copy and starts the worker
+    assert made == [1] and pending() == 1
+    wait_for_background(timeout=600)
+
+
+def test_a_graph_without_a_payload_compiles_on_the_second_call(monkeypatch, caplog):
+    monkeypatch.setattr(background, "make_payload", lambda *a: None)
+    gm = _graph()
+    module = lower_in_background(gm)
+    x, y = _inputs()
+    module(x, y)
+    with caplog.at_level(logging.INFO, logger="spmd_backend.lowering.background"):
+        out = module(x, y)
+    assert module.state == "compiled" and module.switched_at_call == 1 and module._proc is None
+    assert isinstance(module._compiled, InductorModule) and pending() == 0
+    assert "compiling now" in caplog.text
+    for a, b in zip(out, gm(x, y)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.multirank
+def test_a_payload_missing_on_one_rank_compiles_every_rank_now(rank_pool):
+    results = rank_pool.run(_train, None, (), 1)
+    for r in results:
+        assert r["states"] == ["compiled"] and r["switched"] == [1], r
+        assert r["replicas_equal"]
+        assert r["ddp_diff"] < 1e-5, r

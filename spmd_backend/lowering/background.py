@@ -5,11 +5,12 @@ Inductor FX-graph cache (``torch._inductor.config.fx_graph_cache``, on by defaul
 process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
 
 - :func:`lower_in_background` returns at once a :class:`BackgroundLowered` module, called exactly
-  like the graph. Its first call runs the fx graph; its second starts a worker process
+  like the graph (it only records the configuration in force). Its first call runs the fx graph;
+  its second makes the copy Inductor compiles and starts a worker process
   (``python -m spmd_backend.lowering.compile_worker``) that compiles the same graph (a pickled
   copy, the same Inductor and AOTAutograd configuration, fake inputs, a fake process group under
-  each collective's group name) and so fills the cache. A graph called once (a setup graph) never
-  starts one.
+  each collective's group name) and so fills the cache. A graph called once (a setup graph)
+  never pays for the copy or a worker.
 - One worker per host and graph: on that second call the ranks of the graph's group exchange
   the key of what their worker would compile (:func:`~spmd_backend.lowering.handover.make_payload`)
   with their host name and Inductor cache folder; of each set of ranks with all three equal,
@@ -29,10 +30,11 @@ process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
   until their workers have finished; a worker is killed when its module is garbage-collected.
 
 Falls back to the blocking :func:`lower_to_inductor` (logged) where a background compile cannot
-hand its result over: the cache switched off, an input that is not a plain tensor or number,
-inputs that share storage, a fake tensor constant with elements (constants without elements,
-such as an empty key/value cache, become ``empty_strided`` calls), a graph that cannot be
-pickled.
+hand its result over: the cache switched off (at once), or on the second call, on every rank
+when it is so on any (the ranks decide it together in the same exchange): an input that is not
+a plain tensor or number, inputs that share storage, a fake tensor constant with elements
+(constants without elements, such as an empty key/value cache, become ``empty_strided`` calls),
+a graph that cannot be pickled.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spmd_backend.lowering.compile_worker import fake_inputs
-from spmd_backend.lowering.handover import make_payload
+from spmd_backend.lowering.handover import Settings, capture_settings, group_names, make_payload
 from spmd_backend.lowering.inductor import (
     InductorModule,
     compile_flat,
@@ -85,26 +87,25 @@ def _stop(proc: subprocess.Popen[bytes] | None, folder: str) -> None:
 class BackgroundLowered(nn.Module):
     """The fx graph until the background compile is in and agreed; Inductor's code after."""
 
-    def __init__(self, gm: fx.GraphModule, spec: Any, payload: bytes, key: str = "") -> None:
+    def __init__(self, gm: fx.GraphModule, settings: Settings) -> None:
         super().__init__()
         self.source = gm
         self.graph = gm.graph
-        # what this process compiles is the worker's copy, unpickled when it is compiled: a
-        # pickle round trip renames nodes the way unpickling does, and unpickled at run time
-        # (not inside a Dynamo compile, which leaves the module's attributes in another order)
-        # AOTAutograd's and Inductor's cache keys are the worker's
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
-            copy = pickle.loads(payload)  # noqa: S301 - our own bytes
-        self._flat: bytes | None = copy["gm"]
-        self._specs: list[Any] = copy["inputs"]
-        self._configs = (pickle.loads(copy["inductor_config"]),  # noqa: S301
-                         pickle.loads(copy["functorch_config"]))  # noqa: S301
-        self._grad_enabled: bool = copy["process_state"]["grad_enabled"]
-        self._spec, self._payload, self._key = spec, payload, key
+        self._settings = settings
+        self._grad_enabled: bool = settings.process_state["grad_enabled"]
+        # made on the second call (a graph called once never pays for them): the pickled copy
+        # this process compiles at the switch (unpickled then: a pickle round trip renames
+        # nodes the way the worker's unpickling does, and a copy unpickled inside a Dynamo
+        # compile has its attributes in another order, so AOTAutograd's and Inductor's cache
+        # keys are the worker's only this way), the input descriptions, the output spec
+        self._flat: bytes | None = None
+        self._specs: list[Any] = []
+        self._spec: Any = None
+        self._payload = b""
         # set when another rank on this host compiles the same graph: its worker's status file
         self._shared_done: str | None = None
         # the ranks agree on the first group the graph's collectives name (None: no collectives)
-        self._group_name: str | None = next(iter(copy["groups"]), None)
+        self._group_name: str | None = next(iter(group_names(gm)), None)
         self._folder = tempfile.mkdtemp(prefix="spmd_lowering_")
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched = False  # the switch is open from here on (even if the launch failed)
@@ -119,9 +120,30 @@ class BackgroundLowered(nn.Module):
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ worker
+    def _prepare(self) -> str | None:
+        """The flat copy, its payload and key (None: it cannot be handed to a worker)."""
+        try:
+            flat, self._spec = flat_for_inductor(self.source)
+            made = make_payload(flat, example_inputs(flat), self._settings)
+        except Exception as e:  # noqa: BLE001 - decided with the other ranks: compiled now
+            log.info("background compile: no payload (%s: %s)", type(e).__name__, e)
+            return None
+        if made is None:
+            return None
+        self._payload, key = made
+        copy = pickle.loads(self._payload)  # noqa: S301 - our own bytes
+        self._flat, self._specs = copy["gm"], copy["inputs"]
+        return key
+
     def _start(self) -> None:
         self._launched = True
-        leader = self._leader_done_file()
+        key = self._prepare()
+        everyone_ok, leader = self._exchange(key)
+        if not everyone_ok:  # decided together: every rank compiles now
+            log.info("background compile: the graph or its inputs cannot be handed to a worker "
+                     "on some rank; compiling now")
+            self._compile_now()
+            return
         if leader is not None:
             self._shared_done = leader
             log.info("the step graph is compiled in the background by another rank on this "
@@ -132,21 +154,32 @@ class BackgroundLowered(nn.Module):
         except OSError as e:  # decided with the other ranks on the next call, like any failure
             self._local, self._why = FAILED, f"the compile worker could not start: {e}"
 
-    def _leader_done_file(self) -> str | None:
-        """One worker per host and graph: the ranks of the group exchange (graph key, host and
+    def _exchange(self, key: str | None) -> tuple[bool, str | None]:
+        """(every rank has a payload, the status file of the worker this rank waits on). One
+        worker per host and graph: the ranks of the group exchange (graph key, host and
         Inductor cache, this rank's worker status file); the lowest rank of each set of equals
         compiles, the others get its status file (None: this rank compiles)."""
-        if self._group_name is None or not self._key:
-            return None
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        pg = dist.distributed_c10d._resolve_process_group(self._group_name)
-        mine = (self._key, f"{socket.gethostname()}:{os.path.realpath(cache_dir())}",
+        mine = (key, f"{socket.gethostname()}:{os.path.realpath(cache_dir())}",
                 os.path.join(self._folder, "graph.pkl.done"))
-        entries: list[Any] = [None] * pg.size()
-        dist.all_gather_object(entries, mine, group=pg)
+        entries: list[Any] = [mine]
+        if self._group_name is not None:
+            pg = dist.distributed_c10d._resolve_process_group(self._group_name)
+            entries = [None] * pg.size()
+            dist.all_gather_object(entries, mine, group=pg)
+        if any(e[0] is None for e in entries):
+            return False, None
         first = next(e for e in entries if e[:2] == mine[:2])
-        return None if first[2] == mine[2] else str(first[2])
+        return True, None if first[2] == mine[2] else str(first[2])
+
+    def _compile_now(self) -> None:
+        """The blocking compile, on the call every rank decided it (the fx graph on failure)."""
+        module = lower_to_inductor(self.source)
+        if isinstance(module, InductorModule):
+            self._compiled, self.state, self.switched_at_call = module, COMPILED, self.calls
+        else:
+            self.state = FAILED
 
     def _launch(self) -> None:
         path = os.path.join(self._folder, "graph.pkl")
@@ -199,8 +232,10 @@ class BackgroundLowered(nn.Module):
             # with (a Dynamo compile patches some), fresh fake tensors from the same
             # descriptions, outside whatever tracing context (Dynamo's runtime wrapper) and
             # fake mode this call is in
-            with torch._inductor.config.patch(self._configs[0]), \
-                    torch._functorch.config.patch(self._configs[1]), \
+            configs = (pickle.loads(self._settings.inductor_config),  # noqa: S301
+                       pickle.loads(self._settings.functorch_config))  # noqa: S301
+            with torch._inductor.config.patch(configs[0]), \
+                    torch._functorch.config.patch(configs[1]), \
                     torch._guards.tracing(None), \
                     torch.set_grad_enabled(self._grad_enabled), \
                     torch._subclasses.fake_tensor.unset_fake_temporarily():
@@ -257,9 +292,9 @@ class BackgroundLowered(nn.Module):
                     self._start()
             else:
                 self._settle()
-                if self.state == COMPILED:
-                    self.calls += 1
-                    return self._compiled(*args)  # type: ignore[misc]
+            if self.state == COMPILED:
+                self.calls += 1
+                return self._compiled(*args)  # type: ignore[misc]
         self.calls += 1
         return self.source(*args)
 
@@ -290,13 +325,7 @@ def lower_in_background(gm: fx.GraphModule) -> nn.Module:
     if not torch._inductor.config.fx_graph_cache:
         log.info("background compile needs Inductor's FX graph cache; compiling now")
         return lower_to_inductor(gm)
-    flat, spec = flat_for_inductor(gm)
-    vals = example_inputs(flat)
-    made = make_payload(flat, vals)
-    if made is None:
-        log.info("background compile: inputs or graph cannot be handed to a worker; compiling now")
-        return lower_to_inductor(gm)
-    return BackgroundLowered(gm, spec, *made)
+    return BackgroundLowered(gm, capture_settings())
 
 
 __all__ = [

@@ -1,7 +1,8 @@
 """What travels from a training process to its background compile worker.
 
 Requires: a flat step graph as :func:`~spmd_backend.lowering.inductor.flat_for_inductor` makes
-it, with fake example inputs. Guarantees: :func:`make_payload` returns the pickled payload
+it, with fake example inputs, and the :class:`Settings` captured where the graph was lowered.
+Guarantees: :func:`make_payload` returns the pickled payload
 :mod:`spmd_backend.lowering.compile_worker` reads (the graph pickled on its own, with only the
 attributes it reads; descriptions of its inputs; the rank and size of each process group its
 collectives name; the Inductor and AOTAutograd configuration; the process-wide settings
@@ -16,6 +17,7 @@ import hashlib
 import logging
 import operator
 import pickle
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,7 +88,23 @@ def portable_copy(gm: fx.GraphModule) -> fx.GraphModule | None:
     return fx.GraphModule(attrs, graph)
 
 
-def make_payload(flat: fx.GraphModule, vals: list[Any]) -> tuple[bytes, str] | None:
+@dataclass(frozen=True)
+class Settings:
+    """What a compile of the graph depends on besides the graph, captured where it is lowered
+    (a Dynamo compile patches some configuration; the payload may be made calls later)."""
+
+    inductor_config: bytes
+    functorch_config: bytes
+    process_state: dict[str, Any]
+
+
+def capture_settings() -> Settings:
+    return Settings(torch._inductor.config.save_config(), torch._functorch.config.save_config(),
+                    process_state())
+
+
+def make_payload(flat: fx.GraphModule, vals: list[Any], settings: Settings,
+                 ) -> tuple[bytes, str] | None:
     """The worker's payload, and the key of what it compiles: the same on ranks whose worker
     would compile the same graph the same way (the ranks' own places in their groups and CUDA
     devices left out: Inductor's code does not depend on them)."""
@@ -98,20 +116,17 @@ def make_payload(flat: fx.GraphModule, vals: list[Any]) -> tuple[bytes, str] | N
     for name in group_names(gm):
         pg = dist.distributed_c10d._resolve_process_group(name)
         groups[name] = (pg.rank(), pg.size())
-    state = process_state()
+    state = settings.process_state
+    configs = {"inductor_config": settings.inductor_config,
+               "functorch_config": settings.functorch_config}
     try:
         graph = pickle.dumps(gm)
         shared = pickle.dumps({
-            "inputs": specs, "group_sizes": {k: v[1] for k, v in groups.items()},
-            "inductor_config": torch._inductor.config.save_config(),
-            "functorch_config": torch._functorch.config.save_config(),
+            "inputs": specs, "group_sizes": {k: v[1] for k, v in groups.items()}, **configs,
             "process_state": {k: v for k, v in state.items() if k != "cuda_device"},
         })
         payload = pickle.dumps({
-            "gm": graph, "inputs": specs, "groups": groups,
-            "inductor_config": torch._inductor.config.save_config(),
-            "process_state": state,
-            "functorch_config": torch._functorch.config.save_config(),
+            "gm": graph, "inputs": specs, "groups": groups, "process_state": state, **configs,
         })
     except Exception as e:  # noqa: BLE001 - an unpicklable graph compiles in the foreground
         log.info("background compile: the graph cannot be pickled (%s)", e)
@@ -135,4 +150,7 @@ def process_state() -> dict[str, Any]:
     }
 
 
-__all__ = ["group_names", "input_specs", "make_payload", "portable_copy", "process_state"]
+__all__ = [
+    "Settings", "capture_settings", "group_names", "input_specs", "make_payload", "portable_copy",
+    "process_state",
+]
