@@ -9,6 +9,7 @@ bit-for-bit replicas; a worker that fails on one rank keeps both on the fx graph
 from __future__ import annotations
 
 import logging
+import tempfile
 
 import pytest
 import torch
@@ -275,7 +276,22 @@ def test_a_worker_failing_on_one_rank_keeps_both_on_the_fx_graph(rank_pool, fail
         assert r["ddp_diff"] < 1e-5, r
 
 
+def _as_if_a_script_imported_torch_first() -> None:
+    """A training script that imports torch is the first module in ``sys.modules`` through
+    which ``torch.contiguous_format`` resolves (as ``__mp_main__`` is under multiprocessing)."""
+    import sys
+    import types
+
+    script = types.ModuleType("train_script")
+    script.torch = torch
+    modules = dict(sys.modules)
+    sys.modules.clear()
+    sys.modules["train_script"] = script
+    sys.modules.update(modules)
+
+
 def _dynamo_door_switch(rank: int, world: int) -> dict:
+    _as_if_a_script_imported_torch_first()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -292,25 +308,33 @@ def _dynamo_door_switch(rank: int, world: int) -> dict:
     compiled(model, opt, x)
     compiled(model, opt, x)  # starts the worker
     wait_for_background(timeout=600)
-    counters = torch._dynamo.utils.counters["aot_autograd"]
-    before = dict(counters)
+    counters = torch._dynamo.utils.counters
+    before = {k: dict(counters[k]) for k in ("aot_autograd", "inductor")}
     compiled(model, opt, x)
     return {
         "states": [m.state for m in list(background._LIVE) if m.calls],
-        "hits": counters["autograd_cache_hit"] - before.get("autograd_cache_hit", 0),
-        "misses": counters["autograd_cache_miss"] - before.get("autograd_cache_miss", 0),
+        "hits": counters["aot_autograd"]["autograd_cache_hit"]
+        - before["aot_autograd"].get("autograd_cache_hit", 0),
+        "misses": counters["aot_autograd"]["autograd_cache_miss"]
+        - before["aot_autograd"].get("autograd_cache_miss", 0),
+        "fx_hits": counters["inductor"]["fxgraph_cache_hit"]
+        - before["inductor"].get("fxgraph_cache_hit", 0),
     }
 
 
 def test_the_dynamo_door_loads_the_workers_autograd_cache_entry():
-    # the copy this process compiles at the switch must have the worker's AOTAutograd cache
-    # key, or the switching step re-traces the whole graph (seconds on a transformer); a copy
-    # unpickled inside Dynamo's compile did not (its attributes were in another order)
+    # the copy this process compiles at the switch must have the worker's cache keys, or the
+    # switching step compiles the whole step again (a minute on a transformer): a copy unpickled
+    # inside Dynamo's compile had its attributes in another order, and a memory format pickled
+    # through the training script's module (a fresh cache: an entry an earlier run of this
+    # process saved would hide both)
     from spmd_backend.testing import run_on_ranks
 
-    (result,) = run_on_ranks(_dynamo_door_switch, world_size=1, timeout=600)
+    with tempfile.TemporaryDirectory(prefix="spmd_switch_cache_") as cache:
+        (result,) = run_on_ranks(_dynamo_door_switch, world_size=1, timeout=600,
+                                 env={"TORCHINDUCTOR_CACHE_DIR": cache})
     assert result["states"] == ["compiled"], result
-    assert result["hits"] == 1 and result["misses"] == 0, result
+    assert result["hits"] == 1 and result["misses"] == 0 and result["fx_hits"] == 1, result
 
 
 def test_a_graph_called_once_never_pays_for_the_copy(monkeypatch):

@@ -90,6 +90,9 @@ def main(path: str) -> int:
     from torch._inductor.compile_fx import compile_fx
 
     import spmd_backend.lowering.fused_decomp  # noqa: F401 - registers the graph's custom ops
+    from spmd_backend.lowering.handover import stable_cache_keys
+
+    stable_cache_keys()  # the same cache keys as the training process
 
     with open(path, "rb") as f:
         payload = pickle.load(f)  # noqa: S301 - our own file, written by the parent

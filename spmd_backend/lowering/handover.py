@@ -13,6 +13,7 @@ compiles in the foreground).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import operator
@@ -25,6 +26,36 @@ import torch.distributed as dist
 import torch.fx as fx
 
 log = logging.getLogger(__name__)
+
+
+def _memory_format_key(fmt: torch.memory_format) -> tuple[Any, tuple[str]]:
+    return str, (str(fmt),)
+
+
+def stable_cache_keys() -> None:
+    """Make AOTAutograd's and Inductor's cache keys the same in every process (torch 2.13).
+
+    A ``torch.memory_format`` has no ``__module__``, so pickle names it by the first module in
+    ``sys.modules`` through which ``torch.contiguous_format`` resolves: the user's script or
+    ``__mp_main__`` in a training process, a torch module in the worker. The cache keys
+    pickle every input's memory format, so the training process missed the entry its worker
+    had just written and compiled the whole step again. Both processes call this before
+    compiling: the key picklers (and only they: nothing unpickles a key) hash a memory format
+    by its name. Idempotent.
+    """
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    if getattr(FxGraphCachePickler, "_spmd_stable_keys", False):
+        return
+    init = FxGraphCachePickler.__init__
+
+    @functools.wraps(init)
+    def patched(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.dispatch_table[torch.memory_format] = _memory_format_key
+
+    FxGraphCachePickler.__init__ = patched  # type: ignore[method-assign]
+    FxGraphCachePickler._spmd_stable_keys = True  # type: ignore[attr-defined]
 
 
 def group_names(gm: fx.GraphModule) -> list[str]:
@@ -152,5 +183,5 @@ def process_state() -> dict[str, Any]:
 
 __all__ = [
     "Settings", "capture_settings", "group_names", "input_specs", "make_payload", "portable_copy",
-    "process_state",
+    "process_state", "stable_cache_keys",
 ]

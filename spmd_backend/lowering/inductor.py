@@ -81,6 +81,9 @@ def compile_flat(flat_gm: fx.GraphModule, spec: Any, source: fx.GraphModule,
     """Compile a :func:`flat_for_inductor` copy; raises what Inductor raises."""
     from torch._inductor.compile_fx import compile_fx
 
+    from spmd_backend.lowering.handover import stable_cache_keys
+
+    stable_cache_keys()  # the same keys as a background worker's
     t0 = time.perf_counter()
     compiled = compile_fx(flat_gm, inputs)
     seconds = time.perf_counter() - t0
