@@ -39,6 +39,7 @@ a graph that cannot be pickled.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -50,6 +51,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -173,9 +175,24 @@ class BackgroundLowered(nn.Module):
         first = next(e for e in entries if e[:2] == mine[:2])
         return True, None if first[2] == mine[2] else str(first[2])
 
+    @contextlib.contextmanager
+    def _compile_context(self) -> Iterator[None]:
+        """Where this process compiles during a call: the configuration and grad mode of where
+        the graph was lowered (a Dynamo compile patches some), outside whatever tracing context
+        (Dynamo's runtime wrapper) and fake mode the call is in."""
+        configs = (pickle.loads(self._settings.inductor_config),  # noqa: S301
+                   pickle.loads(self._settings.functorch_config))  # noqa: S301
+        with torch._inductor.config.patch(configs[0]), \
+                torch._functorch.config.patch(configs[1]), \
+                torch._guards.tracing(None), \
+                torch.set_grad_enabled(self._grad_enabled), \
+                torch._subclasses.fake_tensor.unset_fake_temporarily():
+            yield
+
     def _compile_now(self) -> None:
         """The blocking compile, on the call every rank decided it (the fx graph on failure)."""
-        module = lower_to_inductor(self.source)
+        with self._compile_context():
+            module = lower_to_inductor(self.source)
         if isinstance(module, InductorModule):
             self._compiled, self.state, self.switched_at_call = module, COMPILED, self.calls
         else:
@@ -228,17 +245,8 @@ class BackgroundLowered(nn.Module):
             self._log.close()
         hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         try:
-            # as the worker did: the configuration and grad mode the graph was handed over
-            # with (a Dynamo compile patches some), fresh fake tensors from the same
-            # descriptions, outside whatever tracing context (Dynamo's runtime wrapper) and
-            # fake mode this call is in
-            configs = (pickle.loads(self._settings.inductor_config),  # noqa: S301
-                       pickle.loads(self._settings.functorch_config))  # noqa: S301
-            with torch._inductor.config.patch(configs[0]), \
-                    torch._functorch.config.patch(configs[1]), \
-                    torch._guards.tracing(None), \
-                    torch.set_grad_enabled(self._grad_enabled), \
-                    torch._subclasses.fake_tensor.unset_fake_temporarily():
+            # as the worker did: fresh fake tensors from the same descriptions
+            with self._compile_context():
                 inputs = fake_inputs(self._specs)
                 assert self._flat is not None
                 flat = pickle.loads(self._flat)  # noqa: S301 - our own bytes
