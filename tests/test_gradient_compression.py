@@ -58,6 +58,8 @@ CASES = {
     # sharded optimizer state: each rank's reduce_scatter slice of the compressed sum
     "fp16-avg-sharded-sgd": ParityCase("mlp", SGD, steps=4, reduce_op="avg",
                                        gradient_compression="fp16", shard_optimizer=True),
+    "bf16-avg-sharded-torch-encoder": ParityCase("torch_encoder", SGD, steps=3, reduce_op="avg",
+                                                 gradient_compression="bf16", shard_optimizer=True),
     "bf16-sum-sharded-adam-shard-buckets": ParityCase(
         "mlp", OptimSpec("adam", "foreach", lr=1e-3), steps=4, gradient_compression="bf16",
         shard_optimizer=True, transformation=_shard_bucketed),
