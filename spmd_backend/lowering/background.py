@@ -132,10 +132,8 @@ class BackgroundLowered(nn.Module):
             return None
         if made is None:
             return None
-        self._payload, key = made
-        copy = pickle.loads(self._payload)  # noqa: S301 - our own bytes
-        self._flat, self._specs = copy["gm"], copy["inputs"]
-        return key
+        self._payload, self._flat, self._specs = made.data, made.graph, made.specs
+        return made.key
 
     def _start(self) -> None:
         self._launched = True
@@ -147,7 +145,7 @@ class BackgroundLowered(nn.Module):
             self._compile_now()
             return
         if leader is not None:
-            self._shared_done = leader
+            self._shared_done, self._payload = leader, b""  # no worker of its own
             log.info("the step graph is compiled in the background by another rank on this "
                      "host (the same graph and cache); this rank loads its result")
             return

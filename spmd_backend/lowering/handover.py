@@ -134,11 +134,21 @@ def capture_settings() -> Settings:
                     process_state())
 
 
-def make_payload(flat: fx.GraphModule, vals: list[Any], settings: Settings,
-                 ) -> tuple[bytes, str] | None:
-    """The worker's payload, and the key of what it compiles: the same on ranks whose worker
-    would compile the same graph the same way (the ranks' own places in their groups and CUDA
-    devices left out: Inductor's code does not depend on them)."""
+@dataclass(frozen=True)
+class Payload:
+    """What :func:`make_payload` made: the worker's file contents, the key of what it compiles
+    (the same on ranks whose worker would compile the same graph the same way: the ranks' own
+    places in their groups and CUDA devices left out, Inductor's code does not depend on them),
+    and the pickled graph and input descriptions the training process compiles at the switch."""
+
+    data: bytes
+    key: str
+    graph: bytes
+    specs: list[Any]
+
+
+def make_payload(flat: fx.GraphModule, vals: list[Any], settings: Settings) -> Payload | None:
+    """The worker's payload (see :class:`Payload`); None when it cannot be made."""
     specs = input_specs(vals)
     gm = portable_copy(flat) if specs is not None else None
     if gm is None:
@@ -162,7 +172,7 @@ def make_payload(flat: fx.GraphModule, vals: list[Any], settings: Settings,
     except Exception as e:  # noqa: BLE001 - an unpicklable graph compiles in the foreground
         log.info("background compile: the graph cannot be pickled (%s)", e)
         return None
-    return payload, hashlib.sha256(graph + shared).hexdigest()
+    return Payload(payload, hashlib.sha256(graph + shared).hexdigest(), graph, specs)
 
 
 def process_state() -> dict[str, Any]:
@@ -182,6 +192,6 @@ def process_state() -> dict[str, Any]:
 
 
 __all__ = [
-    "Settings", "capture_settings", "group_names", "input_specs", "make_payload", "portable_copy",
+    "Payload", "Settings", "capture_settings", "group_names", "input_specs", "make_payload", "portable_copy",
     "process_state", "stable_cache_keys",
 ]
