@@ -4,7 +4,8 @@ The one builder every expansion uses (:mod:`spmd_backend.parallel.data_parallel`
 :mod:`spmd_backend.parallel.shard_expansion`) and bucketing reuses for compression. Guarantees:
 both nodes carry the input's fake value (callers whose collective changes the shape overwrite
 it) and the ``comm`` phase with the owning module's FQN; a gradient collective records the
-parameters it carries. :func:`add_compressed_all_reduce` wraps the all_reduce in DDP's
+parameters it carries. :func:`add_compressed_all_reduce` (and :func:`add_compressed_collective` for the sharded
+reduce_scatter) wraps the collective in DDP's
 compression-hook casts (cast, pre-divide, sum, cast back), all in the ``comm`` phase, and records
 the :class:`~spmd_backend.graph.comm.Compression` on the collective.
 """
@@ -79,14 +80,29 @@ def decompress(graph: fx.Graph, wait: fx.Node, dtype: torch.dtype, owner: str | 
     return back
 
 
+def add_compressed_collective(
+    graph: fx.Graph, value: fx.Node, compression: Compression, target: object, args: tuple, *,
+    name: str, owner: str | None, params: list[str], before: fx.Node,
+    out_val: torch.Tensor | None = None,
+) -> fx.Node:
+    """``cast back(wait(target(compress(value), *args)))`` before ``before`` (``args`` name the
+    ``sum`` reduction); returns the cast back. ``out_val``: the collective's result in
+    ``value``'s dtype when its shape differs from ``value``'s (a reduce_scatter's shard)."""
+    packed = compress(graph, value, compression, owner, before=before)
+    wait = add_collective(graph, packed, target, args, name=name, owner=owner, params=params)
+    if out_val is not None:
+        wait.args[0].meta["val"] = wait.meta["val"] = out_val.to(compression.dtype)
+    wait.args[0].meta[COMPRESSION_KEY] = compression
+    return decompress(graph, wait, value.meta["val"].dtype, owner)
+
+
 def add_compressed_all_reduce(
     graph: fx.Graph, value: fx.Node, compression: Compression, group_name: str, *,
     owner: str | None, params: list[str], before: fx.Node,
 ) -> fx.Node:
     """``cast back(wait(all_reduce(compress(value), "sum")))`` before ``before``; returns the
     cast back."""
-    packed = compress(graph, value, compression, owner, before=before)
-    wait = add_collective(graph, packed, c10d.all_reduce.default, ("sum", group_name),
-                          name="all_reduce", owner=owner, params=params)
-    wait.args[0].meta[COMPRESSION_KEY] = compression
-    return decompress(graph, wait, value.meta["val"].dtype, owner)
+    return add_compressed_collective(
+        graph, value, compression, c10d.all_reduce.default, ("sum", group_name),
+        name="all_reduce", owner=owner, params=params, before=before,
+    )

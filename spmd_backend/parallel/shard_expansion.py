@@ -35,8 +35,8 @@ from torch._guards import detect_fake_mode
 
 from spmd_backend.graph import ops
 from spmd_backend.graph.comm import Compression
-from spmd_backend.graph.meta import COMPRESSION_KEY, Phase, inherit, owner_of
-from spmd_backend.parallel.collectives import add_collective, compress, decompress
+from spmd_backend.graph.meta import Phase, inherit, owner_of
+from spmd_backend.parallel.collectives import add_collective, add_compressed_collective
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -82,23 +82,22 @@ def _reduce_scatter(graph: fx.Graph, ready: fx.Node, marker: fx.Node, reduce_op:
                     group_name: str, compression: Compression | None) -> fx.Node:
     """The reduced shard of ``ready``'s gradient, issued where the gradient became final (as
     its all_reduce would be); returns what replaces ``marker``."""
-    grad, fqn, _rank, world = marker.args
+    _grad, fqn, _rank, world = marker.args
     shard = marker.meta["val"]
     padded = _flat_padded(graph, ready.args[0], world, shard.numel(), ready, Phase.COMM)
     owner = owner_of(str(fqn))
     if compression is not None:
-        padded = compress(graph, padded, compression, owner, before=ready)
-        reduce_op = "sum"
+        return add_compressed_collective(
+            graph, padded, compression, c10d.reduce_scatter_tensor.default,
+            ("sum", world, group_name), name="reduce_scatter", owner=owner, params=[str(fqn)],
+            before=ready, out_val=shard,
+        )
     wait = add_collective(
         graph, padded, c10d.reduce_scatter_tensor.default, (reduce_op, world, group_name),
         name="reduce_scatter", owner=owner, params=[str(fqn)], before=ready,
     )
-    low = shard if compression is None else shard.to(compression.dtype)
-    wait.args[0].meta["val"] = wait.meta["val"] = low
-    if compression is None:
-        return wait
-    wait.args[0].meta[COMPRESSION_KEY] = compression
-    return decompress(graph, wait, shard.dtype, owner)
+    wait.args[0].meta["val"] = wait.meta["val"] = shard
+    return wait
 
 
 def expand_shard_markers(
