@@ -4,7 +4,9 @@ The step is written as users write it (``scaler.scale(loss).backward(); scaler.s
 scaler.update()``), with the scaler passed as an argument or captured from the enclosing scope.
 One step gets an inf gradient on rank 1 only: after the all_reduce both ranks must skip it
 (eager's ``found_inf``), back the scale off, and stay identical to DDP, also on the very first
-step (where eager creates no optimizer state at all).
+step (where eager creates no optimizer state at all). With ``shard_optimizer=True`` the
+scaler's unscale reads the full gradients (all_reduce, then each rank's slice) while the
+optimizer steps on shards: the same result is required, and the state must really be sharded.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ pytestmark = pytest.mark.multirank
 INF_STEPS = (0, 3)  # the first step (state creation) and a steady-state step
 
 
-def _job(rank: int, world: int, impl: str, scaler_as_argument: bool) -> dict[str, float]:
+def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
+         shard: bool = False) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import spmd_backend
@@ -47,7 +50,7 @@ def _job(rank: int, world: int, impl: str, scaler_as_argument: bool) -> dict[str
     def closure_step(model, optim, x):
         return train_step(model, optim, x, scaler)
 
-    mode = spmd_backend.DataParallel(reduce_op="avg")
+    mode = spmd_backend.DataParallel(reduce_op="avg", shard_optimizer=shard)
     if scaler_as_argument:
         compiled = spmd_backend.compile(parallel_mode=mode)(train_step)
         run = lambda x: compiled(model, opt, x, scaler)  # noqa: E731
@@ -73,13 +76,22 @@ def _job(rank: int, world: int, impl: str, scaler_as_argument: bool) -> dict[str
         for i, s in state.items() for k, v in s.items()
     )
     out["skipped_steps"] = float(sum(1 for s in opt.state.values() if s["step"] < 6 - len(INF_STEPS)))
+    out["live_state_elements"] = float(sum(s["exp_avg"].numel() for s in opt.state.values()))
+    out["full_state_elements"] = float(sum(p.numel() for p in model.parameters()))
     return out
 
 
-@pytest.mark.parametrize("impl,scaler_as_argument", [("default", True), ("fused", False)])
-def test_grad_scaler_matches_ddp_with_skipped_steps(rank_pool, impl, scaler_as_argument):
-    for out in rank_pool.run(_job, impl, scaler_as_argument):
+@pytest.mark.parametrize(
+    "impl,scaler_as_argument,shard",
+    [("default", True, False), ("fused", False, False), ("default", True, True)],
+)
+def test_grad_scaler_matches_ddp_with_skipped_steps(rank_pool, impl, scaler_as_argument, shard):
+    for out in rank_pool.run(_job, impl, scaler_as_argument, shard):
         assert out["state_after_skipped_first_step"] == 0.0
         assert out["scale"] == 0.0
         assert out["params"] < 1e-5 and out["state"] < 1e-5, out
         assert out["skipped_steps"] == 0.0  # every parameter took exactly 4 optimizer steps
+        if shard:  # each rank holds about half of the moments (tiny biases stay replicated)
+            assert out["live_state_elements"] < 0.6 * out["full_state_elements"], out
+        else:
+            assert out["live_state_elements"] == out["full_state_elements"], out
