@@ -91,7 +91,7 @@ def test_grad_scaler_matches_ddp_with_skipped_steps(rank_pool, impl, scaler_as_a
         assert out["scale"] == 0.0
         assert out["params"] < 1e-5 and out["state"] < 1e-5, out
         assert out["skipped_steps"] == 0.0  # every parameter took exactly 4 optimizer steps
-        if shard:  # each rank holds about half of the moments (tiny biases stay replicated)
+        if shard:  # each rank holds about half of the moments
             assert out["live_state_elements"] < 0.6 * out["full_state_elements"], out
         else:
             assert out["live_state_elements"] == out["full_state_elements"], out
