@@ -22,14 +22,17 @@ INF_STEPS = (0, 3)  # the first step (state creation) and a steady-state step
 
 
 def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
-         shard: bool = False) -> dict[str, float]:
+         shard: bool = False, encoder: bool = False) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import spmd_backend
     from spmd_backend.testing.models import MLP
 
     torch.manual_seed(0)
-    model = MLP(8, 32, 3, 4)
+    if encoder:  # torch's own module (unbatched input: 8 tokens of width 8)
+        model = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=32, dropout=0.0)
+    else:
+        model = MLP(8, 32, 3, 4)
     ref = copy.deepcopy(model)
     ddp = DDP(ref)
     kw = {"fused": True} if impl == "fused" else {}
@@ -82,11 +85,14 @@ def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
 
 
 @pytest.mark.parametrize(
-    "impl,scaler_as_argument,shard",
-    [("default", True, False), ("fused", False, False), ("default", True, True)],
+    "impl,scaler_as_argument,shard,encoder",
+    [("default", True, False, False), ("fused", False, False, False),
+     ("default", True, True, False), ("default", True, True, True)],
 )
-def test_grad_scaler_matches_ddp_with_skipped_steps(rank_pool, impl, scaler_as_argument, shard):
-    for out in rank_pool.run(_job, impl, scaler_as_argument, shard):
+def test_grad_scaler_matches_ddp_with_skipped_steps(
+    rank_pool, impl, scaler_as_argument, shard, encoder
+):
+    for out in rank_pool.run(_job, impl, scaler_as_argument, shard, encoder):
         assert out["state_after_skipped_first_step"] == 0.0
         assert out["scale"] == 0.0
         assert out["params"] < 1e-5 and out["state"] < 1e-5, out
