@@ -24,6 +24,7 @@ Compiled autograd's backward graph is refused with an error naming it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from spmd_backend import pipeline
-from spmd_backend.dynamo import audit, graphs, scope
+from spmd_backend.dynamo import audit, graphs, scope, step_cache
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase
@@ -68,14 +69,19 @@ def _compile_aot(
     params = dict(inputs.fqns)
     watched = [*inputs.params.values(), *inputs.attributes]
 
-    def whole(g: fx.GraphModule, ex: list[Any]) -> Any:
+    def whole_module(g: fx.GraphModule, ex: list[Any]) -> Any:
+        step_cache.drop_key(g.graph)
         graphs.hoist_markers(g.graph)
         graphs.annotate_phases(g.graph, inputs.kinds, split_optimizer=True)
         upcast_bias_corrections(g.graph)
         pipeline.expand(g, config)
-        return _runner(pipeline.transform(g, config, tag="whole_step").module)
+        return pipeline.transform(g, config, tag="whole_step").module
+
+    def whole(g: fx.GraphModule, ex: list[Any]) -> Any:
+        return _runner(whole_module(g, ex))
 
     def forward(g: fx.GraphModule, ex: list[Any]) -> Any:
+        step_cache.drop_key(g.graph)
         graphs.annotate_phases(g.graph, inputs.kinds, default=Phase.FORWARD)
         upcast_bias_corrections(g.graph)
         pipeline.expand(g, config)
@@ -94,13 +100,17 @@ def _compile_aot(
         done = [inputs.params[i] for i in reduced]
         return _runner(module, lambda: audit.mark_reduced(done))
 
-    inference = whole if whole_step else forward
-    aot = aot_autograd(
-        fw_compiler=forward, bw_compiler=backward, inference_compiler=inference,
-        keep_inference_input_mutations=True,
-    )
+    cached = whole_step and _cache_key(gm, config, inputs)
+    if cached:
+        kwargs = step_cache.compilers(whole_module, forward, backward, config.lowering())
+    else:
+        inference = whole if whole_step else forward
+        kwargs = {"fw_compiler": forward, "bw_compiler": backward, "inference_compiler": inference}
+    aot = aot_autograd(**kwargs, keep_inference_input_mutations=True)
+    hits = step_cache.hits()
     try:
-        compiled = aot(gm, example_inputs)
+        with step_cache.bundled() if cached else contextlib.nullcontext():
+            compiled = aot(gm, example_inputs)
     except RuntimeError as e:
         if "rematerialization" not in str(e):
             raise
@@ -110,8 +120,12 @@ def _compile_aot(
             'backend="spmd": activation-checkpointed regions of this step are not recomputed '
             "(%s); the step runs correctly with their activations kept", str(e).splitlines()[0]
         )
-        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False):
+        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), (
+            step_cache.bundled() if cached else contextlib.nullcontext()
+        ):
             compiled = aot(gm, example_inputs)
+    if step_cache.hits() > hits:
+        log.info('backend="spmd": the whole-step graph came from the AOTAutograd cache')
     if not whole_step and "grad" in inputs.kinds.values():
         def checked(*args: Any) -> Any:  # an optimizer-step graph of per-graph mode
             audit.check_before_step(watched)
@@ -119,6 +133,19 @@ def _compile_aot(
 
         return checked
     return compiled
+
+
+def _cache_key(gm: fx.GraphModule, config: PipelineConfig, inputs: graphs.DynamoInputs) -> bool:
+    """Key the whole-step compile for AOTAutograd's cache (:mod:`spmd_backend.dynamo.step_cache`);
+    False, logged once with the reason, when it is not cached."""
+    key, reason = step_cache.digest(gm, config, inputs)
+    if key is not None:
+        step_cache.insert_key(gm, key)
+        reason = step_cache.blocker(gm) or ""
+    if reason and not counters["spmd"]["cache_bypass_logged"]:
+        counters["spmd"]["cache_bypass_logged"] += 1
+        log.info('backend="spmd": the compiled step is not cached (%s)', reason)
+    return not reason
 
 
 def _fallback_reason() -> str:

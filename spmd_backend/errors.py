@@ -36,3 +36,8 @@ class SpmdDistributedError(SpmdError, RuntimeError):
 class SpmdRuntimeError(SpmdError, RuntimeError):
     """A compiled step failed while running; the message names the node, and the inputs the
     step had written before failing were restored."""
+
+
+class SpmdSerializationError(SpmdError, RuntimeError):
+    """A graph cannot be written to bytes (a target or a value that cannot travel); callers
+    that cache compiled steps treat it as "do not cache", never as a failed step."""

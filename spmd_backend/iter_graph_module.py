@@ -110,6 +110,10 @@ class IterGraphModule(nn.Module):
             return {"main": self._graph}
         return {k: self._finalized[k] for k in _STEP_KINDS}
 
+    def source_module(self) -> fx.GraphModule:
+        """The module this one was built from; its graph is :attr:`graph` (the edited one)."""
+        return self._source
+
     def _gm_from(self, graph: fx.Graph) -> fx.GraphModule:
         graph._codegen = fx.graph.CodeGen()
         return make_graph_module(self._source, graph)

@@ -170,7 +170,7 @@ def functionalize_fused_optimizers(gm: fx.GraphModule) -> int:
                 results = graph.call_function(operator.getitem, (out, i))
                 for j, dst in enumerate(node.args[i]):
                     src = graph.call_function(operator.getitem, (results, j))
-                    graph.call_function(torch.Tensor.copy_, (dst, src))
+                    graph.call_function(torch.ops.aten.copy_.default, (dst, src))
         graph.erase_node(node)
         count += 1
     if count:
@@ -192,7 +192,7 @@ def mark_buffers(gm: fx.GraphModule, inputs: DynamoInputs) -> int:
         with gm.graph.inserting_after(anchor):
             synced = gm.graph.call_function(BUFFER_SYNC, (buf, inputs.fqns[i]))
         with gm.graph.inserting_after(synced):
-            anchor = gm.graph.call_function(torch.Tensor.copy_, (buf, synced))
+            anchor = gm.graph.call_function(torch.ops.aten.copy_.default, (buf, synced))
         for n in (synced, anchor):
             if "example_value" in buf.meta:
                 n.meta["example_value"] = buf.meta["example_value"]

@@ -273,6 +273,8 @@ def _dynamo_counts(case: ParityCase) -> dict[str, int]:
         "per_graph_graphs": counters["spmd"]["per_graph_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
         "unique_graphs": counters["stats"]["unique_graphs"],
+        "cache_hits": counters["spmd"]["step_cache_hits"],
+        "cache_saved": counters["spmd"]["step_cache_saved"],
     }
 
 

@@ -91,3 +91,24 @@ GRAD_SHARD = torch.ops.spmd_backend.grad_shard.default
 PARAM_GATHER = torch.library.custom_op("spmd_backend::param_gather", _param_gather, mutates_args=())
 PARAM_GATHER.register_fake(_param_gather_fake)
 PARAM_GATHER = torch.ops.spmd_backend.param_gather.default
+
+
+# ---------------------------------------------------------------- compiled-step cache key
+def _pipeline_key(digest: str) -> None:
+    return None
+
+
+def _pipeline_key_fake(digest: str) -> None:
+    return None
+
+
+#: ``spmd_backend::pipeline_key(str digest) -> ()``: a no-op whose argument carries, in the
+#: graph's code, what the backend's compile depends on besides the graph (its configuration,
+#: its source, the process group): AOTAutograd's cache key covers the code, so an entry
+#: compiled under another configuration is never served (:mod:`spmd_backend.dynamo.step_cache`).
+#: The pipeline drops it before any pass runs.
+PIPELINE_KEY = torch.library.custom_op(
+    "spmd_backend::pipeline_key", _pipeline_key, mutates_args=()
+)
+PIPELINE_KEY.register_fake(_pipeline_key_fake)
+PIPELINE_KEY = torch.ops.spmd_backend.pipeline_key.default
