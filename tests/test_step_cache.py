@@ -123,6 +123,8 @@ def test_the_source_digest_is_of_this_package():
 
 
 # ---------------------------------------------------------------------------- end to end
+_LOAD = serialize.load
+
 def _mlp_step(model, optim, x):
     loss = model(x).square().mean()
     loss.backward()
@@ -164,6 +166,17 @@ def test_a_second_compile_is_served_from_the_cache_and_a_change_misses(monkeypat
         assert _train(fast)[2] == (1, 0)
         monkeypatch.undo()
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+        def unreadable(data):
+            raise RuntimeError("a damaged entry")
+
+        monkeypatch.setattr(serialize, "load", unreadable)
+        damaged_losses, damaged_params, counts = _train(fast)
+        assert counts == (0, 0)  # a failed load is a bypass: compiled again, not stored
+        assert damaged_losses == losses
+        for k in params:
+            assert torch.equal(damaged_params[k], params[k]), k
+        monkeypatch.setattr(serialize, "load", _LOAD)
         with torch._functorch.config.patch(enable_autograd_cache=False):
             assert _train(fast)[2] == (0, 0)  # torch's switch turns it off
         assert _train(fast)[2] == (0, 1)

@@ -21,8 +21,9 @@ What the entry is valid for, and how the key says so:
 
 Not cached (:func:`digest` says why, and the step compiles as before): per-graph mode, graph
 dumps requested, a pass that is not this package's (its code is not in the key), a non-simple
-option value, a graph attribute over 16 MB, a graph that moves work into the next iteration, a
-graph whose targets or values cannot be written (:mod:`spmd_backend.graph.serialize`). A
+option value, a graph attribute over 16 MB, a graph with symbolic shapes, a graph that moves
+work into the next iteration, a graph whose targets or values cannot be written
+(:mod:`spmd_backend.graph.serialize`). A
 corrupt or unreadable entry is a miss (AOTAutograd treats a failed load as a bypass). Torch's
 switches turn it off: ``torch._functorch.config.enable_autograd_cache = False`` or
 ``torch.compiler.config.force_disable_caches = True``.
@@ -334,7 +335,8 @@ def _as_outside() -> Any:
 
 def hits() -> int:
     """Compiled steps served from the cache so far in this process (``counters["spmd"]``
-    ``["step_cache_hits"]``; ``["step_cache_saved"]`` counts the steps stored)."""
+    ``["step_cache_hits"]``; ``["step_cache_saved"]`` counts the steps handed to AOTAutograd's
+    cache to store)."""
     return int(counters["spmd"]["step_cache_hits"])
 
 
