@@ -231,7 +231,8 @@ def run_pass(
 
 
 # --------------------------------------------------------------------------- the manager
-def _env_skips() -> set[str]:
+def env_skips() -> set[str]:
+    """The pass names ``SPMD_SKIP_PASSES`` skips in every manager."""
     return {s.strip() for s in os.environ.get(SKIP_ENV, "").split(",") if s.strip()}
 
 
@@ -296,7 +297,7 @@ class PassManager:
 
     def run(self, gm: object) -> list[PassRecord]:
         """Run the passes on ``gm`` (edited in place); returns what each did."""
-        skip = set(self.skip) | _env_skips()
+        skip = set(self.skip) | env_skips()
         dump_dir = self.dump_dir or os.environ.get(DUMP_ENV) or None
         skipped: set[str] = set()
         records: list[PassRecord] = []

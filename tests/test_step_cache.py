@@ -99,6 +99,9 @@ def test_the_key_covers_what_the_compile_reads(monkeypatch):
             "fqns": _digest(inputs=DynamoInputs(kinds=INPUTS.kinds, fqns={0: "fc.bias"}))[0],
             "constant": _digest(_graph_with_constant(2.0))[0],
         }
+        monkeypatch.setenv("SPMD_SKIP_PASSES", "schedule_comm_wait")  # the pass manager's switch
+        changed["env_skips"] = _digest()[0]
+        monkeypatch.delenv("SPMD_SKIP_PASSES")
         monkeypatch.setattr(step_cache, "source_digest", lambda: "another version")
         changed["source"] = _digest()[0]
     with fake_process_group(world_size=3):
@@ -107,14 +110,65 @@ def test_the_key_covers_what_the_compile_reads(monkeypatch):
     assert len({base, *changed.values()}) == len(changed) + 1, changed
 
 
-def test_what_cannot_be_keyed_is_not_cached(tmp_path):
+def test_what_cannot_be_keyed_is_not_cached(tmp_path, monkeypatch):
     def my_pass(gm):
         return gm
 
     with fake_process_group(world_size=2):
         assert _digest(dump_graphs=str(tmp_path)) == (None, "graph dumps were asked for")
         key, reason = _digest(extra_passes=(my_pass,))
-    assert key is None and "'my_pass' is not one of this package's" in reason
+        assert key is None and "'my_pass' is not one of this package's" in reason
+        monkeypatch.setenv("SPMD_DUMP_GRAPHS", str(tmp_path))
+        assert _digest() == (None, "graph dumps were asked for")
+
+
+def test_a_scalar_constant_is_keyed_by_value():
+    def graph_with(value):
+        root = torch.nn.Module()
+        root.register_buffer("c", torch.tensor(value))  # 0-dim: hashed, not an error
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        graph.output(graph.call_function(torch.mul, (x, graph.get_attr("c"))))
+        return fx.GraphModule(root, graph)
+
+    with fake_process_group(world_size=2):
+        a, b = (step_cache.digest(graph_with(v), PipelineConfig(), INPUTS)[0] for v in (0.5, 2.0))
+    assert a is not None and b is not None and a != b
+
+
+def test_a_stored_step_comes_back_with_every_value():
+    # the lowering reads example values (placeholders for Inductor's inputs, a fused optimizer's
+    # parameter dtypes): a rebuilt step must carry the same shapes, strides, offsets and dtypes
+    import pickle
+    from copy import copy
+
+    from spmd_backend.iter_graph_module import IterGraphModule
+
+    def f(p, g, x):
+        h = (x.to(torch.bfloat16) * 2)[1:]
+        return p.add_(g * h.float().sum()), h
+
+    gm = make_fx(f)(torch.ones(3), torch.ones(3), torch.ones(4, 2))
+    module = IterGraphModule(gm)
+    module.finalize_setup()
+    code = step_cache.StepOutputCode(module, None)
+    stored = copy(code)
+    stored.prepare_for_serialization()
+    back = pickle.loads(pickle.dumps(stored))
+    back.post_compile([], None, {})
+
+    def vals(g):
+        return [(n.name, [(tuple(v.shape), v.stride(), v.storage_offset(), v.dtype)
+                          for v in (n.meta["val"] if isinstance(n.meta["val"], (list, tuple))
+                                    else [n.meta["val"]])])
+                for n in g.nodes if isinstance(n.meta.get("val"), (torch.Tensor, list, tuple))]
+
+    assert vals(back.module.graph) == vals(module.graph)
+    assert any(v[0][3] == torch.bfloat16 for _, v in vals(back.module.graph))
+    args = [torch.zeros(3), torch.ones(3), torch.ones(4, 2)]
+    expect = [torch.zeros(3), torch.ones(3), torch.ones(4, 2)]
+    for got, want in zip(back([*args]), code([*expect])):
+        torch.testing.assert_close(got, want)
 
 
 def test_the_source_digest_is_of_this_package():

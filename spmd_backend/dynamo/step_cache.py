@@ -12,15 +12,15 @@ What the entry is valid for, and how the key says so:
   grad mode, autocast, AOTAutograd's and Inductor's configuration, torch's version: AOTAutograd's
   own key;
 * everything else the backend's compile reads: the :class:`~spmd_backend.pipeline.PipelineConfig`
-  (reduce op, bucket cap, passes and their arguments, compression, lowering...), the process
-  group (name, size, ranks, this rank), the kind and FQN of every input (which are parameters,
+  (reduce op, bucket cap, passes and their arguments, compression, lowering...) and the passes
+  ``SPMD_SKIP_PASSES`` skips, the process group (name, backend, size, ranks, this rank), the kind and FQN of every input (which are parameters,
   buffers, optimizer state), the values of tensors the graph holds as attributes, and the source
   of this package: :func:`digest` hashes them and :func:`insert_key` writes the hash into the
   graph as the argument of a ``spmd_backend::pipeline_key`` no-op, so AOTAutograd's key covers it.
   The pipeline drops that node (:func:`drop_key`).
 
 Not cached (:func:`digest` says why, and the step compiles as before): per-graph mode, graph
-dumps requested, a pass that is not this package's (its code is not in the key), a non-simple
+dumps requested (``dump_graphs`` or ``SPMD_DUMP_GRAPHS``), a pass that is not this package's (its code is not in the key), a non-simple
 option value, a graph attribute over 16 MB, a graph with symbolic shapes, a graph that moves
 work into the next iteration, a graph whose targets or values cannot be written
 (:mod:`spmd_backend.graph.serialize`). A
@@ -41,6 +41,7 @@ import functools
 import hashlib
 import logging
 import operator
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ from spmd_backend.errors import SpmdSerializationError
 from spmd_backend.graph import serialize
 from spmd_backend.iter_graph_module import IterGraphModule
 from spmd_backend.lowering.handover import stable_cache_keys
-from spmd_backend.pass_manager import pass_spec_of
+from spmd_backend.pass_manager import DUMP_ENV, env_skips, pass_spec_of
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.tracing.markers import PIPELINE_KEY
 
@@ -106,14 +107,15 @@ def _simple(name: str, value: Any) -> Any:
 
 
 def _config_items(config: PipelineConfig) -> list[tuple[str, Any]]:
-    if config.dump_graphs:
+    if config.dump_graphs or os.environ.get(DUMP_ENV):
         raise _NotCacheable("graph dumps were asked for")
-    items: list[tuple[str, Any]] = []
+    items: list[tuple[str, Any]] = [("env_skips", sorted(env_skips()))]  # SPMD_SKIP_PASSES
     for f in dataclasses.fields(config.parallel):
         if f.name != "group":
             items.append((f"parallel.{f.name}", _simple(f.name, getattr(config.parallel, f.name))))
     pg = config.parallel.process_group()
-    items.append(("group", (pg.group_name, pg.size(), pg.rank(), dist.get_process_group_ranks(pg))))
+    items.append(("group", (pg.group_name, str(dist.get_backend(pg)), pg.size(), pg.rank(),
+                            dist.get_process_group_ranks(pg))))
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.name in ("parallel", "dump_graphs"):
@@ -134,7 +136,7 @@ def _attribute_items(gm: fx.GraphModule) -> list[tuple[str, str]]:
             raise _NotCacheable(f"graph attribute {node.target} is a fake tensor")
         if value.numel() * value.element_size() > MAX_HASHED_ATTRIBUTE_BYTES:
             raise _NotCacheable(f"graph attribute {node.target} is over 16 MB")
-        data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         items.append((str(node.target), hashlib.sha256(data).hexdigest()))
     return items
 
@@ -148,6 +150,8 @@ def digest(gm: fx.GraphModule, config: PipelineConfig, inputs: DynamoInputs) -> 
         items.extend(_attribute_items(gm))
     except _NotCacheable as e:
         return None, str(e)
+    except Exception as e:  # noqa: BLE001 - whatever cannot be keyed is compiled, not cached
+        return None, f"the key could not be made ({type(e).__name__}: {e})"
     return hashlib.sha256(repr(items).encode()).hexdigest(), ""
 
 
@@ -199,20 +203,45 @@ def _bypass(reason: str) -> Exception:
     return BypassAOTAutogradCache(f'backend="spmd": {reason}')
 
 
-def _spec(val: Any) -> tuple[Any, ...]:
-    if not isinstance(val, torch.Tensor) or any(
-        isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())
-    ):
-        raise SpmdSerializationError(f"an input is not a tensor of static shape: {val!r}")
-    return (tuple(val.shape), tuple(val.stride()), val.dtype, str(val.device), val.requires_grad)
+def _spec(val: Any) -> Any:
+    """A picklable description of a node's example value: tensors (static shapes only) and
+    lists/tuples of them; None for anything else (not restored)."""
+    if isinstance(val, torch.Tensor):
+        if any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())) or isinstance(
+            val.storage_offset(), torch.SymInt
+        ):
+            raise SpmdSerializationError("a value of symbolic shape cannot be stored")
+        return ("tensor", tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype,
+                str(val.device), val.requires_grad)
+    if isinstance(val, (list, tuple)):
+        return ("seq", type(val) is tuple, [_spec(v) for v in val])
+    return None
+
+
+def _value(spec: Any) -> Any:
+    """A fake value (under the active fake mode) from :func:`_spec`'s description."""
+    if spec is None:
+        return None
+    if spec[0] == "seq":
+        values = [_value(s) for s in spec[2]]
+        return tuple(values) if spec[1] else values
+    _, shape, stride, offset, dtype, device, requires_grad = spec
+    if offset == 0:
+        value = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    else:
+        extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+        base = torch.empty_strided((offset + extent,), (1,), dtype=dtype, device=device)
+        value = base.as_strided(shape, stride, offset)
+    return value.requires_grad_(requires_grad) if requires_grad else value
 
 
 class StepOutputCode(OutputCode):
     """The Dynamo door's compiled whole step, as AOTAutograd stores it.
 
     Live: runs its :class:`IterGraphModule`. Stored: the final graph
-    (:mod:`spmd_backend.graph.serialize`), the placeholders' example-value metadata and the
-    lowering function; :meth:`post_compile` rebuilds the module (and lowers it the same way)."""
+    (:mod:`spmd_backend.graph.serialize`), every node's example value as shape, stride, offset,
+    dtype and device (the lowering reads placeholders' and fused optimizer arguments' values) and
+    the lowering function; :meth:`post_compile` rebuilds the module (and lowers it the same way)."""
 
     def __init__(self, module: IterGraphModule | None, lower: Callable[..., Any] | None,
                  not_saved: str | None = None, run: Callable[[list[Any]], Any] | None = None) -> None:
@@ -223,7 +252,7 @@ class StepOutputCode(OutputCode):
         self.not_saved = not_saved
         self._run = run
         self._graph: bytes | None = None
-        self._specs: list[tuple[Any, ...]] = []
+        self._specs: list[Any] = []
 
     @classmethod
     def unsaved(cls, run: Callable[[list[Any]], Any], reason: str) -> StepOutputCode:
@@ -252,7 +281,7 @@ class StepOutputCode(OutputCode):
             raise _bypass(f"the lowering {lower!r} cannot be stored")
         source = module.source_module()
         try:
-            self._specs = [_spec(n.meta.get("val")) for n in source.graph.find_nodes(op="placeholder")]
+            self._specs = [_spec(n.meta.get("val")) for n in source.graph.nodes]
             self._graph = serialize.dump(source)
         except SpmdSerializationError as e:
             raise _bypass(str(e)) from e
@@ -265,18 +294,18 @@ class StepOutputCode(OutputCode):
             return
         if self._graph is None:
             raise RuntimeError("StepOutputCode: an entry without a graph")
-        from torch._guards import detect_fake_mode
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         gm = serialize.load(self._graph)
-        placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        if len(placeholders) != len(self._specs):
-            raise RuntimeError("StepOutputCode: the stored graph does not match its inputs")
-        fake_mode = detect_fake_mode(list(example_inputs)) or FakeTensorMode()
-        with fake_mode:
-            for node, (shape, stride, dtype, device, requires_grad) in zip(placeholders, self._specs):
-                val = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                node.meta["val"] = val.requires_grad_(requires_grad)
+        nodes = list(gm.graph.nodes)
+        if len(nodes) != len(self._specs):
+            raise RuntimeError("StepOutputCode: the stored graph does not match its values")
+        # a mode of its own, without a shape environment (the values are static; AOTAutograd's
+        # mode records every creation in its shape environment, 0.3 s on a GPT-2 step)
+        with FakeTensorMode():
+            for node, spec in zip(nodes, self._specs):
+                if spec is not None:
+                    node.meta["val"] = _value(spec)
         module = IterGraphModule(gm, lower=self.lower)
         with _as_outside():
             module.finalize_setup()

@@ -5,9 +5,10 @@ node in order with its op, name, target, arguments and the backend's own metadat
 start with ``spmd_``), and the tensors the graph reads through ``get_attr``.
 
 Requires: call targets that are operator overloads or packets (their library loaded when the
-bytes are read: aten, ``_c10d_functional``, ``spmd_backend``...), higher-order operators, or
-importable functions (builtins, ``operator.getitem``, module-level functions); ``get_attr``
-values that are real tensors; node arguments made of nodes and plain values (numbers, strings,
+bytes are read: aten, ``_c10d_functional``, ``spmd_backend``...), higher-order operators whose
+operands are not subgraphs, or importable functions (builtins, ``operator.getitem``,
+module-level functions); ``get_attr`` values that are real tensors (so no subgraph modules;
+tensors that share storage come back as separate copies); node arguments made of nodes and plain values (numbers, strings,
 dtypes, devices, lists, tuples, dicts, slices). Guarantees: ``load(dump(gm))`` has the same
 nodes in the same order with the same names, targets, arguments, type annotations and
 ``spmd_*`` metadata, so
