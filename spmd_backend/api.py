@@ -261,7 +261,8 @@ class CompiledTrainStep:
         emit_graph_artifact(f"spmd_step_{self._step_id}_trace_{self.trace_count}", gm.graph)
         if mode.check_consistency:  # before any collective, the initial broadcast included
             self._check_consistency(traced, mode)
-        pipeline.sync([*binding.params, *binding.buffers], self._config)
+        # the graph check above covered the state inputs: no second round through the store
+        pipeline.sync([*binding.params, *binding.buffers], self._config, verify=False)
         bootstrap = traced.layout.creates_state
         runner: Callable[..., Any] = gm
         if not bootstrap:

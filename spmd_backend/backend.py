@@ -5,14 +5,16 @@ would make torch's lookup fail with a duplicate name), so a process that never i
 spmd_backend can use it. Importing this module installs the scoped whole-step capture
 (:mod:`spmd_backend.dynamo.scope`). Dynamo then hands each captured graph to
 :func:`spmd_dynamo_backend`, which builds a :class:`~spmd_backend.pipeline.PipelineConfig` from
-``options`` (validated by the same code as the compile door's), broadcasts module state once,
+``options`` (validated by the same code as the compile door's), verifies that the ranks' module
+state agrees and broadcasts it once,
 marks buffers for DDP's per-step broadcast and then, by what the graph holds:
 
 * **whole step** (the graph calls ``torch.autograd.grad``: forward, backward, optimizer step and
   ``zero_grad`` in one graph): each gradient gets a ``grad_ready`` marker, AOTAutograd makes one
   functional aten graph, and the pipeline runs on it exactly as on a ``spmd_backend.compile``
   graph (float64 bias corrections, expansion, bucketing, wait scheduling, in-place optimizer,
-  Inductor);
+  Inductor); the result is stored in AOTAutograd's cache, keyed also by everything the pipeline
+  reads, and served to later processes (:mod:`spmd_backend.dynamo.step_cache`);
 * **per graph** (a graph break kept the step apart, another torch version, compiled autograd
   off): forward graphs get the buffer broadcast, AOT backward graphs a ``grad_ready`` marker on
   every parameter gradient (from the output descriptors) and then the same pipeline; every
@@ -191,7 +193,7 @@ def spmd_dynamo_backend(
     config.parallel.process_group()  # raises on every rank without a process group
     _refuse_compiled_autograd(gm)
     inputs = graphs.classify_inputs(gm)
-    pipeline.sync(inputs.state_tensors(), config)
+    pipeline.sync(inputs.state_tensors(), config, inputs.state_names())  # verified, then broadcast
     for i, p in inputs.params.items():  # a backward that runs eagerly must not go unnoticed
         audit.watch(p, inputs.fqns[i])
     _warn_on_recompiles(gm)

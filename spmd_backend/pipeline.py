@@ -167,11 +167,11 @@ OPTION_NAMES: tuple[str, ...] = (
 
 
 # ---------------------------------------------------------------------- stages
-def sync(tensors: Iterable[Any], config: PipelineConfig) -> int:
-    """DDP's constructor broadcast, once per (tensor, process group)."""
-    if not config.parallel.sync_module_states:
-        return 0
-    return sync_module_states(tensors, config.parallel)
+def sync(tensors: Iterable[Any], config: PipelineConfig, names: Sequence[str] | None = None, *,
+         verify: bool = True) -> int:
+    """DDP's constructor: the ranks' tensors verified alike (names, shapes, dtypes) and broadcast
+    from the first rank, once per (tensor, process group); see parallel.state_sync."""
+    return sync_module_states(tensors, config.parallel, names, verify=verify)
 
 
 def expand(gm: fx.GraphModule, config: PipelineConfig, *, recompile: bool = True) -> ExpansionReport:

@@ -46,6 +46,34 @@ def test_mismatched_parameter_shapes_fail_on_every_rank(rank_pool):
         assert "differs from rank" in m and "p_layers_0_weight" in m, m
 
 
+def _mismatched_dynamo_job(rank: int, world: int, sync: bool) -> str:
+    """The same bad input through torch.compile(backend="spmd"): it used to hang in the initial
+    broadcast (or, without it, in the gradients' all_reduce)."""
+    torch._dynamo.reset()
+    model = MLP(8, 16 if rank == 0 else 12, 2, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(_step, backend="spmd",
+                         options={"inductor": False, "sync_module_states": sync})
+    try:
+        step(model, opt, torch.randn(4, 8))
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
+        untouched = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        return f"{type(e).__name__}: {e} untouched={untouched}"
+    return "ran"
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_mismatched_models_fail_on_every_rank_in_the_dynamo_door(rank_pool, sync):
+    t0 = time.monotonic()
+    messages = rank_pool.run(_mismatched_dynamo_job, sync, timeout=60)
+    assert time.monotonic() - t0 < 60
+    for rank, m in enumerate(messages):
+        assert "SpmdDistributedError" in m and "module state (parameters and buffers)" in m, m
+        assert f"rank {rank}: layers.0.weight: [{16 if rank == 0 else 12}, 8]" in m, m
+        assert "untouched=True" in m, m
+
+
 def _batch_sizes_job(rank: int, world: int) -> float:
     from torch.nn.parallel import DistributedDataParallel as DDP
 

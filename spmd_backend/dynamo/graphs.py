@@ -52,6 +52,10 @@ class DynamoInputs:
     def state_tensors(self) -> list[torch.Tensor]:
         return [*self.params.values(), *self.buffers.values()]
 
+    def state_names(self) -> list[str]:
+        """The FQNs of :meth:`state_tensors`, in the same order."""
+        return [self.fqns[i] for i in (*self.params, *self.buffers)]
+
 
 def _chain(source: Any) -> list[Any]:
     out = []

@@ -52,22 +52,25 @@ def graph_signature(graph: fx.Graph) -> list[str]:
     return lines
 
 
-def _store() -> dist.Store:
+def default_store() -> dist.Store:
+    """The default process group's store (the one every check of this module posts to)."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
 
 
 def check_consistency(
-    lines: list[str], key: str, group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S
+    lines: list[str], key: str, group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S,
+    what: str = "compiled graph",
 ) -> str:
-    """Post ``lines`` under ``key`` and compare with every rank of ``group``; returns the digest."""
+    """Post ``lines`` under ``key`` and compare with every rank of ``group``; returns the digest.
+    ``what`` names what the lines describe in the error messages."""
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     world = dist.get_world_size(group)
     if world == 1 or dist.get_backend(group) == "fake":
         return digest  # nobody to disagree with (the fake backend has no real peers)
     rank = dist.get_rank(group)
-    store = _store()
+    store = default_store()
     payload = json.dumps({"digest": digest, "lines": lines})
     prefix = f"spmd/{group.group_name}/{key}"  # one namespace per process group
     store.set(f"{prefix}/{rank}", payload)
@@ -77,7 +80,7 @@ def check_consistency(
     except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError on timeout
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         raise SpmdDistributedError(
-            f"spmd_backend: rank(s) {missing} did not publish their compiled graph ({key}) within "
+            f"spmd_backend: rank(s) {missing} did not publish their {what} ({key}) within "
             f"{timeout_s:.0f}s: they failed, or traced a different step; refusing to run a "
             "collective that could hang"
         ) from e
@@ -91,12 +94,12 @@ def check_consistency(
         for a, b in zip(lines, theirs):
             if a != b:
                 raise SpmdDistributedError(
-                    f"spmd_backend: the compiled graph of rank {rank} differs from rank {r}'s "
+                    f"spmd_backend: the {what} of rank {rank} differs from rank {r}'s "
                     f"({key}):\n  rank {rank}: {a}\n  rank {r}: {b}"
                 )
         raise SpmdDistributedError(
-            f"spmd_backend: the compiled graph of rank {rank} has {len(lines)} state inputs and "
-            f"collectives, rank {r}'s has {len(theirs)} ({key})"
+            f"spmd_backend: the {what} of rank {rank} has {len(lines)} entries (state inputs, "
+            f"collectives), rank {r}'s has {len(theirs)} ({key})"
         )
     log.debug("graph %s consistent across %d ranks (%s)", key, world, digest[:12])
     return digest

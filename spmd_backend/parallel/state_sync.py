@@ -6,39 +6,79 @@ of the same model, or another graph of the same ``torch.compile`` step, skips it
 is kept on the tensor itself (an attribute holding the group names), so it lives exactly as long
 as the tensor and needs no process-wide table; a copied model (``copy.deepcopy``) is a new set
 of tensors and is synced again, as DDP would on construction.
+
+Before that first broadcast (and before any collective of a step that uses new tensors), with
+``check_consistency`` on, the ranks compare the names, shapes and dtypes of the tensors they are
+about to sync through the c10d store (:func:`~spmd_backend.parallel.consistency.check_consistency`),
+as DDP's constructor verifies parameter shapes across processes: ranks whose models differ raise
+:class:`~spmd_backend.errors.SpmdDistributedError` naming the first differing tensor, instead of
+hanging in a broadcast or an all_reduce of mismatched sizes. The verification runs even when
+``sync_module_states`` is off (the gradients' collectives would hang the same way). Rounds are
+numbered per rank and group by a counter in the store, so no process-wide table is needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from spmd_backend.parallel import consistency
 from spmd_backend.parallel.data_parallel import DataParallel
 
 #: attribute on a synced tensor: the names of the process groups it was broadcast on
 SYNCED_ATTR = "_spmd_synced_groups"
+#: attribute on a verified tensor: the names of the process groups whose ranks agreed on it
+VERIFIED_ATTR = "_spmd_verified_groups"
 
 
-def sync_module_states(tensors: Iterable[Any], mode: DataParallel) -> int:
-    """Broadcast each tensor not yet synced on ``mode``'s group; returns how many were."""
+def sync_module_states(
+    tensors: Iterable[Any], mode: DataParallel, names: Sequence[str] | None = None, *,
+    verify: bool = True,
+) -> int:
+    """Verify (``verify`` and ``mode.check_consistency``) and broadcast (``mode.sync_module_states``)
+    each tensor not yet seen on ``mode``'s group; returns how many were broadcast. ``names``
+    (parallel to ``tensors``) are used in error messages."""
     pg = mode.process_group()
-    name = pg.group_name
-    todo: list[torch.Tensor] = []
+    group = pg.group_name
+    todo: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
-    for t in tensors:
+    for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or id(t) in seen:
             continue
         seen.add(id(t))
-        if name not in getattr(t, SYNCED_ATTR, ()):
-            todo.append(t)
+        if group not in getattr(t, SYNCED_ATTR, ()) and group not in getattr(t, VERIFIED_ATTR, ()):
+            todo.append((names[i] if names is not None else f"tensor {i}", t))
+    if not todo:
+        return 0
+    if verify and mode.check_consistency:
+        verify_across_ranks(todo, pg, mode.consistency_timeout_s)
+    for _, t in todo:
+        setattr(t, VERIFIED_ATTR, frozenset(getattr(t, VERIFIED_ATTR, ())) | {group})
+    if not mode.sync_module_states:
+        return 0
     if dist.get_world_size(pg) > 1:
         src = mode.src_rank()
         with torch.no_grad():
-            for t in todo:
+            for _, t in todo:
                 dist.broadcast(t.detach(), src=src, group=pg)
-    for t in todo:
-        setattr(t, SYNCED_ATTR, frozenset(getattr(t, SYNCED_ATTR, ())) | {name})
+    for _, t in todo:
+        setattr(t, SYNCED_ATTR, frozenset(getattr(t, SYNCED_ATTR, ())) | {group})
     return len(todo)
+
+
+def verify_across_ranks(
+    named: Sequence[tuple[str, torch.Tensor]], pg: dist.ProcessGroup, timeout_s: float
+) -> None:
+    """Every rank of ``pg`` holds tensors of the same names, shapes and dtypes (in order), or
+    every rank raises :class:`~spmd_backend.errors.SpmdDistributedError` naming the first
+    difference (or the rank that never posted, after ``timeout_s``)."""
+    if dist.get_world_size(pg) == 1 or dist.get_backend(pg) == "fake":
+        return
+    lines = [f"{name}: {list(t.shape)} {t.dtype}" for name, t in named]
+    store = consistency.default_store()
+    round_no = store.add(f"spmd/{pg.group_name}/state_rounds/{dist.get_rank(pg)}", 1)
+    consistency.check_consistency(lines, f"module_state#{round_no}", pg, timeout_s,
+                                  what="module state (parameters and buffers)")
