@@ -39,7 +39,6 @@ import contextvars
 import dataclasses
 import functools
 import hashlib
-import logging
 import operator
 import os
 from collections.abc import Callable, Iterator
@@ -61,8 +60,6 @@ from spmd_backend.lowering.handover import stable_cache_keys
 from spmd_backend.pass_manager import DUMP_ENV, env_skips, pass_spec_of
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.tracing.markers import PIPELINE_KEY
-
-log = logging.getLogger(__name__)
 
 #: graph attributes larger than this are not hashed: such a graph is not cached
 MAX_HASHED_ATTRIBUTE_BYTES = 16 << 20
