@@ -21,6 +21,13 @@ from spmd_backend.lowering.background import BackgroundLowered, lower_in_backgro
 from spmd_backend.pipeline import PipelineConfig
 
 
+@pytest.fixture(autouse=True)
+def _worker_protocol(monkeypatch):
+    """These tests exercise the worker protocol; the warm start (which skips it when the suite's
+    cache already holds a graph) is turned on by the tests of it."""
+    monkeypatch.setattr(background, "WARM_SWITCH", False)
+
+
 def _graph():
     def f(x, y):
         return (x * 2 + y).relu().sum(0), x - y
@@ -69,6 +76,35 @@ def _switch():
     assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] == hits + 1
     for a, b in zip(out, expected):
         torch.testing.assert_close(a, b)
+
+
+def test_a_warm_start_compiles_from_the_caches_or_not_at_all(monkeypatch):
+    gm = _graph()
+    x, y = _inputs()
+    first = lower_in_background(gm)
+    _call_until_decided(first, x, y)  # the worker fills the caches
+    assert first.state == "compiled"
+    monkeypatch.setattr(background, "WARM_SWITCH", True)
+    warm = lower_in_background(_graph())
+    warm(x, y)
+    out = warm(x, y)  # the second call: served by the caches, no worker
+    assert warm.state == "compiled" and warm.switched_at_call == 1 and warm._proc is None
+    assert pending() == 0 and isinstance(warm._compiled, InductorModule)
+    for a, b in zip(out, gm(x, y)):
+        torch.testing.assert_close(a, b)
+
+    def cold(*args):  # as on a cold start: the caches hold nothing
+        raise background.CacheMiss("no entry")
+
+    monkeypatch.setattr(background, "compile_flat", cold)
+    started = lower_in_background(_graph())
+    started(x, y)
+    started(x, y)
+    assert started.state == "compiling" and started._compiled is None and pending() == 1
+    monkeypatch.undo()
+    wait_for_background(timeout=600)
+    started(x, y)
+    assert started.state == "compiled" and started.switched_at_call == 2
 
 
 def test_a_worker_that_cannot_start_is_a_failure_not_an_error(monkeypatch, caplog):
@@ -182,10 +218,13 @@ def test_option_is_validated_and_read_from_the_environment(monkeypatch):
 
 # --------------------------------------------------------------------------- two ranks
 def _train(rank: int, world: int, fail_on_rank: int | None, hosts: tuple[str, ...] = (),
-           no_payload_on_rank: int | None = None) -> dict:
-    """``hosts``: each rank's host name as the ranks see it (empty: the real one, shared)."""
+           no_payload_on_rank: int | None = None, warm: bool = False) -> dict:
+    """``hosts``: each rank's host name as the ranks see it (empty: the real one, shared).
+    ``warm``: the warm start may switch from the caches (off: the worker protocol is tested
+    whatever an earlier run left in the suite's cache)."""
     worker, hostname = background.WORKER_MODULE, background.socket.gethostname
-    make_payload = background.make_payload
+    make_payload, warm_switch = background.make_payload, background.WARM_SWITCH
+    background.WARM_SWITCH = warm
     if rank == fail_on_rank:
         background.WORKER_MODULE = "spmd_backend.lowering.no_such_worker"
     if hosts:
@@ -196,7 +235,7 @@ def _train(rank: int, world: int, fail_on_rank: int | None, hosts: tuple[str, ..
         return _train_steps(rank, world)
     finally:
         background.WORKER_MODULE, background.socket.gethostname = worker, hostname
-        background.make_payload = make_payload
+        background.make_payload, background.WARM_SWITCH = make_payload, warm_switch
 
 
 def _train_steps(rank: int, world: int) -> dict:
@@ -242,6 +281,7 @@ def _train_steps(rank: int, world: int) -> dict:
     return {
         "states": [m.state for m in modules], "switched": [m.switched_at_call for m in modules],
         "own_worker": [m._shared_done is None for m in modules],
+        "workers": [m._proc is not None or m._shared_done is not None for m in modules],
         "pending": states, "replicas_equal": all(torch.equal(g, flat) for g in gathered),
         "ddp_diff": diff,
     }
@@ -261,6 +301,21 @@ def test_ranks_switch_on_the_same_call_and_match_ddp(rank_pool):
         assert r["replicas_equal"]
         assert r["ddp_diff"] < 1e-5, r
         assert r["pending"][:4] == [0, 0, 1, 1] and r["pending"][5:] == [0, 0, 0], r
+
+
+def _train_twice(rank: int, world: int) -> tuple[dict, dict]:
+    """The same training twice: the worker protocol fills the caches, then a warm start."""
+    return _train(rank, world, None), _train(rank, world, None, warm=True)
+
+
+@pytest.mark.multirank
+def test_a_warm_start_switches_on_the_second_call_without_a_worker(rank_pool):
+    for cold, warm in rank_pool.run(_train_twice):
+        assert cold["states"] == ["compiled"] and cold["switched"][0] >= 2, cold
+        # the step graph's second call (step 2) runs Inductor's code on both ranks
+        assert warm["states"] == ["compiled"] and warm["switched"] == [1], warm
+        assert warm["pending"] == [0] * 8 and warm["workers"] == [False], warm
+        assert warm["replicas_equal"] and warm["ddp_diff"] < 1e-5, warm
 
 
 @pytest.mark.multirank

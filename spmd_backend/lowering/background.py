@@ -16,6 +16,11 @@ process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
   with their host name and Inductor cache folder; of each set of ranks with all three equal,
   the lowest compiles and the others wait for its worker's status file, then load the same
   cache entry. (8 ranks on a node compile once, not 8 times on the cores training uses.)
+- A warm start switches at once: on that second call each rank first compiles the copy from
+  AOTAutograd's and Inductor's caches alone (:func:`~spmd_backend.lowering.inductor.cache_only`:
+  a miss raises instead of compiling, so a cold start loses only the key computation); when
+  every rank found it (the same exchange says so), all run Inductor's code from that call on and
+  no worker starts. Otherwise the worker path below runs (a rank that found it is simply ready).
 - Every call before the switch runs the fx graph: the same graph, the same collectives, fx's
   eager kernels. When the worker has finished, this process compiles the identical copy, which
   is a cache hit (seconds), and the ranks of the graph's process group agree, with one small
@@ -62,7 +67,9 @@ import torch.nn as nn
 from spmd_backend.lowering.compile_worker import fake_inputs
 from spmd_backend.lowering.handover import Settings, capture_settings, group_names, make_payload
 from spmd_backend.lowering.inductor import (
+    CacheMiss,
     InductorModule,
+    cache_only,
     compile_flat,
     example_inputs,
     flat_for_inductor,
@@ -77,6 +84,10 @@ _LIVE: weakref.WeakSet[BackgroundLowered] = weakref.WeakSet()
 COMPILING, COMPILED, FAILED = "compiling", "compiled", "failed"
 #: what the worker process runs (``python -m``)
 WORKER_MODULE = "spmd_backend.lowering.compile_worker"
+#: on the second call, try the caches first: when every rank finds the compiled code there (a
+#: warm start), all switch on that call and no worker starts (tests of the worker protocol
+#: turn it off)
+WARM_SWITCH = True
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, folder: str) -> None:
@@ -135,10 +146,40 @@ class BackgroundLowered(nn.Module):
         self._payload, self._flat, self._specs = made.data, made.graph, made.specs
         return made.key
 
+    def _compile_cached(self) -> bool:
+        """A warm start: compile the flat copy from AOTAutograd's and Inductor's caches alone
+        (seconds); False, with nothing compiled, when they do not hold it."""
+        if not WARM_SWITCH:
+            return False
+        try:
+            with self._compile_context(), cache_only():
+                inputs = fake_inputs(self._specs)
+                assert self._flat is not None
+                flat = pickle.loads(self._flat)  # noqa: S301 - our own bytes
+                self._compiled = compile_flat(flat, self._spec, self.source, inputs)
+        except CacheMiss:
+            return False
+        except Exception as e:  # noqa: BLE001 - the worker path decides, as on a cold start
+            log.info("background compile: loading from the caches failed (%s: %s)",
+                     type(e).__name__, str(e)[:200])
+            self._compiled = None
+            return False
+        return True
+
     def _start(self) -> None:
         self._launched = True
         key = self._prepare()
-        everyone_ok, leader = self._exchange(key)
+        cached = key is not None and self._compile_cached()
+        everyone_ok, leader, everyone_cached = self._exchange(key, cached)
+        if everyone_cached:  # decided together: every rank switches on this call, no worker
+            self.state, self.switched_at_call = COMPILED, self.calls
+            log.info("switched to Inductor's code at call %d: the caches held it (no worker)",
+                     self.calls)
+            _stop(None, self._folder)
+            self._flat, self._payload = None, b""
+            return
+        if cached:  # this rank is ready; the others compile (its worker may serve them)
+            self._local = COMPILED
         if not everyone_ok:  # decided together: every rank compiles now
             log.info("background compile: the graph or its inputs cannot be handed to a worker "
                      "on some rank; compiling now")
@@ -154,24 +195,26 @@ class BackgroundLowered(nn.Module):
         except OSError as e:  # decided with the other ranks on the next call, like any failure
             self._local, self._why = FAILED, f"the compile worker could not start: {e}"
 
-    def _exchange(self, key: str | None) -> tuple[bool, str | None]:
-        """(every rank has a payload, the status file of the worker this rank waits on). One
-        worker per host and graph: the ranks of the group exchange (graph key, host and
-        Inductor cache, this rank's worker status file); the lowest rank of each set of equals
-        compiles, the others get its status file (None: this rank compiles)."""
+    def _exchange(self, key: str | None, cached: bool) -> tuple[bool, str | None, bool]:
+        """(every rank has a payload, the status file of the worker this rank waits on, every
+        rank compiled from the caches). One worker per host and graph: the ranks of the group
+        exchange (graph key, host and Inductor cache, this rank's worker status file, cached);
+        the lowest rank of each set of equals compiles, the others get its status file (None:
+        this rank compiles)."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         mine = (key, f"{socket.gethostname()}:{os.path.realpath(cache_dir())}",
-                os.path.join(self._folder, "graph.pkl.done"))
+                os.path.join(self._folder, "graph.pkl.done"), cached)
         entries: list[Any] = [mine]
         if self._group_name is not None:
             pg = dist.distributed_c10d._resolve_process_group(self._group_name)
             entries = [None] * pg.size()
             dist.all_gather_object(entries, mine, group=pg)
+        everyone_cached = all(e[3] for e in entries)
         if any(e[0] is None for e in entries):
-            return False, None
+            return False, None, everyone_cached
         first = next(e for e in entries if e[:2] == mine[:2])
-        return True, None if first[2] == mine[2] else str(first[2])
+        return True, None if first[2] == mine[2] else str(first[2]), everyone_cached
 
     @contextlib.contextmanager
     def _compile_context(self) -> Iterator[None]:

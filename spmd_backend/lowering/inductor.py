@@ -14,15 +14,17 @@ If Inductor cannot compile the graph the graph itself is returned, with a warnin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from spmd_backend.errors import SpmdGraphError
+from spmd_backend.errors import SpmdError, SpmdGraphError
 from spmd_backend.lowering.fused_decomp import decompose_fused_optimizers
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,33 @@ def compile_flat(flat_gm: fx.GraphModule, spec: Any, source: fx.GraphModule,
     return InductorModule(compiled, spec, source, seconds)
 
 
+class CacheMiss(SpmdError):
+    """Raised inside :func:`cache_only`: the caches do not hold this compile (control flow of
+    the background lowering's warm start, never seen by users)."""
+
+
+@contextlib.contextmanager
+def cache_only() -> Iterator[None]:
+    """Within: an Inductor compile that AOTAutograd's cache cannot serve (no entry, or an entry
+    whose FX-graph cache entry is gone) raises :class:`CacheMiss` instead of compiling (torch
+    2.13: ``AOTAutogradCache.try_load`` returns no function on a miss)."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+    real = AOTAutogradCache.__dict__["try_load"]
+
+    def try_load(*args: Any, **kwargs: Any) -> Any:
+        compiled, config = real.__func__(*args, **kwargs)
+        if compiled is None:
+            raise CacheMiss("the caches hold no compiled code for this graph")
+        return compiled, config
+
+    AOTAutogradCache.try_load = staticmethod(try_load)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AOTAutogradCache.try_load = real  # type: ignore[method-assign]
+
+
 def lower_to_inductor(gm: fx.GraphModule) -> nn.Module:
     """Compile ``gm`` with Inductor; see the module docstring."""
     flat_gm, spec = flat_for_inductor(gm)
@@ -107,6 +136,7 @@ def lower_to_inductor(gm: fx.GraphModule) -> nn.Module:
 
 
 __all__ = [
-    "InductorModule", "compile_flat", "example_inputs", "flat_for_inductor", "lower_to_inductor",
+    "CacheMiss", "InductorModule", "cache_only", "compile_flat", "example_inputs",
+    "flat_for_inductor", "lower_to_inductor",
 ]
 
