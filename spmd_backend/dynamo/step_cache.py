@@ -56,6 +56,7 @@ from spmd_backend.dynamo.graphs import DynamoInputs
 from spmd_backend.errors import SpmdSerializationError
 from spmd_backend.graph import serialize
 from spmd_backend.iter_graph_module import IterGraphModule
+from spmd_backend.lowering.compile_worker import fake_tensor, tensor_spec
 from spmd_backend.lowering.handover import stable_cache_keys
 from spmd_backend.pass_manager import DUMP_ENV, env_skips, pass_spec_of
 from spmd_backend.pipeline import PipelineConfig
@@ -201,39 +202,29 @@ def _bypass(reason: str) -> Exception:
 
 
 def _spec(val: Any) -> Any:
-    """A picklable description of a node's example value: tensors (static shapes only) and
-    lists/tuples of them; None for anything else (not restored)."""
+    """A picklable description of a node's example value: tensors (static shapes only, as
+    :func:`~spmd_backend.lowering.compile_worker.tensor_spec` describes them) and lists/tuples of
+    them; None for anything else (not restored)."""
     if isinstance(val, torch.Tensor):
         if any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())) or isinstance(
             val.storage_offset(), torch.SymInt
         ):
             raise SpmdSerializationError("a value of symbolic shape cannot be stored")
-        return ("tensor", tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype,
-                str(val.device), val.requires_grad)
+        return tensor_spec(val)
     if isinstance(val, (list, tuple)):
         return ("seq", type(val) is tuple, [_spec(v) for v in val])
     return None
 
 
 def _value(spec: Any, fake_mode: Any) -> Any:
-    """A fake value of ``fake_mode`` from :func:`_spec`'s description (made from a meta tensor
-    directly: a fake-mode dispatch per value costs 0.2 ms inside Dynamo's compile)."""
+    """A fake value of ``fake_mode`` from :func:`_spec`'s description (a fake-mode dispatch per
+    value would cost 0.2 ms each inside Dynamo's compile)."""
     if spec is None:
         return None
     if spec[0] == "seq":
         values = [_value(s, fake_mode) for s in spec[2]]
         return tuple(values) if spec[1] else values
-    _, shape, stride, offset, dtype, device, requires_grad = spec
-    if offset == 0:
-        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    else:
-        extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
-        base = torch.empty_strided((offset + extent,), (1,), dtype=dtype, device="meta")
-        meta = base.as_strided(shape, stride, offset)
-    value = fake_mode.fake_tensor_converter.from_meta_and_device(
-        fake_mode, meta, torch.device(device)
-    )
-    return value.requires_grad_(requires_grad) if requires_grad else value
+    return fake_tensor(spec, fake_mode)
 
 
 class StepOutputCode(OutputCode):

@@ -20,25 +20,35 @@ import sys
 from typing import Any
 
 
+def tensor_spec(t: Any) -> tuple[Any, ...]:
+    """A tensor's picklable description: ``("tensor", shape, stride, storage offset, dtype,
+    device, requires_grad)`` (static shapes)."""
+    return ("tensor", tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype,
+            str(t.device), t.requires_grad)
+
+
+def fake_tensor(spec: tuple[Any, ...], fake_mode: Any) -> Any:
+    """A fake tensor of ``fake_mode`` as :func:`tensor_spec` describes it (made from a meta
+    tensor directly, without a dispatch through the mode)."""
+    import torch
+
+    _, shape, stride, offset, dtype, device, requires_grad = spec
+    extent = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if all(shape) else 0
+    base = torch.empty_strided((extent,), (1,), dtype=dtype, device="meta")
+    meta = base.as_strided(shape, stride, offset) if all(shape) else torch.empty_strided(
+        shape, stride, dtype=dtype, device="meta")
+    fake = fake_mode.fake_tensor_converter.from_meta_and_device(
+        fake_mode, meta, torch.device(device))
+    return fake.requires_grad_(requires_grad) if requires_grad else fake
+
+
 def fake_inputs(specs: list[Any]) -> list[Any]:
     """Fake tensors (in a new fake mode with a shape env) as the specs describe them."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    vals: list[Any] = []
-    with FakeTensorMode(shape_env=ShapeEnv()):
-        for spec in specs:
-            if spec[0] == "value":
-                vals.append(spec[1])
-                continue
-            _, shape, stride, offset, dtype, device, requires_grad = spec
-            extent = offset + sum((n - 1) * s for n, s in zip(shape, stride) if n > 0) + 1
-            base = torch.empty(extent if all(shape) else 0, dtype=dtype, device=device)
-            t = base.as_strided(shape, stride, offset) if all(shape) else torch.empty_strided(
-                shape, stride, dtype=dtype, device=device)
-            vals.append(t.requires_grad_(requires_grad))
-    return vals
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    return [spec[1] if spec[0] == "value" else fake_tensor(spec, mode) for spec in specs]
 
 
 def _apply_process_state(state: dict[str, Any]) -> None:

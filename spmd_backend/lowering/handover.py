@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from spmd_backend.lowering.compile_worker import tensor_spec
+
 log = logging.getLogger(__name__)
 
 
@@ -85,8 +87,7 @@ def input_specs(vals: list[Any]) -> list[Any] | None:
             if key in storages:
                 return None
             storages.add(key)
-            specs.append(("tensor", tuple(v.shape), tuple(v.stride()), v.storage_offset(),
-                          v.dtype, str(v.device), v.requires_grad))
+            specs.append(tensor_spec(v))
         elif isinstance(v, (int, float, bool)) and not isinstance(v, torch.SymInt):
             specs.append(("value", v))
         else:
