@@ -38,35 +38,34 @@ def sync_module_states(
     tensors: Iterable[Any], mode: DataParallel, names: Sequence[str] | None = None, *,
     verify: bool = True,
 ) -> int:
-    """Verify (``verify`` and ``mode.check_consistency``) and broadcast (``mode.sync_module_states``)
-    each tensor not yet seen on ``mode``'s group; returns how many were broadcast. ``names``
-    (parallel to ``tensors``) are used in error messages."""
+    """Verify (``verify`` and ``mode.check_consistency``) each tensor not yet verified or
+    broadcast on ``mode``'s group, then broadcast (``mode.sync_module_states``) each not yet
+    broadcast; returns how many were. ``names`` (parallel to ``tensors``) name them in errors."""
     pg = mode.process_group()
     group = pg.group_name
-    todo: list[tuple[str, torch.Tensor]] = []
+    unsynced: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or id(t) in seen:
             continue
         seen.add(id(t))
-        if group not in getattr(t, SYNCED_ATTR, ()) and group not in getattr(t, VERIFIED_ATTR, ()):
-            todo.append((names[i] if names is not None else f"tensor {i}", t))
-    if not todo:
-        return 0
-    if verify and mode.check_consistency:
-        verify_across_ranks(todo, pg, mode.consistency_timeout_s)
-    for _, t in todo:
+        if group not in getattr(t, SYNCED_ATTR, ()):
+            unsynced.append((names[i] if names is not None else f"tensor {i}", t))
+    fresh = [(n, t) for n, t in unsynced if group not in getattr(t, VERIFIED_ATTR, ())]
+    if fresh and verify and mode.check_consistency:
+        verify_across_ranks(fresh, pg, mode.consistency_timeout_s)
+    for _, t in fresh:
         setattr(t, VERIFIED_ATTR, frozenset(getattr(t, VERIFIED_ATTR, ())) | {group})
-    if not mode.sync_module_states:
+    if not mode.sync_module_states or not unsynced:
         return 0
     if dist.get_world_size(pg) > 1:
         src = mode.src_rank()
         with torch.no_grad():
-            for _, t in todo:
+            for _, t in unsynced:
                 dist.broadcast(t.detach(), src=src, group=pg)
-    for _, t in todo:
+    for _, t in unsynced:
         setattr(t, SYNCED_ATTR, frozenset(getattr(t, SYNCED_ATTR, ())) | {group})
-    return len(todo)
+    return len(unsynced)
 
 
 def verify_across_ranks(
