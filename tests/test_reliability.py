@@ -74,6 +74,39 @@ def test_mismatched_models_fail_on_every_rank_in_the_dynamo_door(rank_pool, sync
         assert "untouched=True" in m, m
 
 
+def _first_step_without_sync_job(rank: int, world: int) -> tuple[bool, bool]:
+    """Replicas initialized differently; a first compiled step with sync_module_states off
+    leaves them different (its tensors are verified, not broadcast); a later step that asks
+    for the sync still broadcasts them, as DDP's constructor would."""
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    torch.manual_seed(rank)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def replicas_equal() -> bool:
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        return all(torch.equal(g, flat) for g in gathered)
+
+    def again(m, o, x):  # another frame: a compile of its own
+        return _step(m, o, x)
+
+    options = {"inductor": False}
+    torch.compile(_step, backend="spmd", options={**options, "sync_module_states": False})(
+        model, opt, torch.randn(4, 8))
+    unsynced = replicas_equal()
+    torch.compile(again, backend="spmd", options=options)(model, opt, torch.randn(4, 8))
+    return unsynced, replicas_equal()
+
+
+def test_a_later_step_still_broadcasts_what_a_first_step_only_verified(rank_pool):
+    for unsynced, synced in rank_pool.run(_first_step_without_sync_job):
+        assert not unsynced and synced
+
+
 def _batch_sizes_job(rank: int, world: int) -> float:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
