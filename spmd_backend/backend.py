@@ -109,9 +109,10 @@ def _compile_aot(
         inference = whole if whole_step else forward
         kwargs = {"fw_compiler": forward, "bw_compiler": backward, "inference_compiler": inference}
     aot = aot_autograd(**kwargs, keep_inference_input_mutations=True)
+    bundled = step_cache.bundled if cached else contextlib.nullcontext
     hits = step_cache.hits()
     try:
-        with step_cache.bundled() if cached else contextlib.nullcontext():
+        with bundled():
             compiled = aot(gm, example_inputs)
     except RuntimeError as e:
         if "rematerialization" not in str(e):
@@ -122,9 +123,8 @@ def _compile_aot(
             'backend="spmd": activation-checkpointed regions of this step are not recomputed '
             "(%s); the step runs correctly with their activations kept", str(e).splitlines()[0]
         )
-        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), (
-            step_cache.bundled() if cached else contextlib.nullcontext()
-        ):
+        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), \
+                bundled():
             compiled = aot(gm, example_inputs)
     if step_cache.hits() > hits:
         log.info('backend="spmd": the whole-step graph came from the AOTAutograd cache')

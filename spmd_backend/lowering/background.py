@@ -146,17 +146,24 @@ class BackgroundLowered(nn.Module):
         self._payload, self._flat, self._specs = made.data, made.graph, made.specs
         return made.key
 
+    def _compile_copy(self) -> None:
+        """Compile the pickled flat copy here, as the worker does: unpickled now, on fresh fake
+        tensors from the same descriptions, in :meth:`_compile_context` (so the cache keys are
+        the worker's)."""
+        assert self._flat is not None
+        with self._compile_context():
+            inputs = fake_inputs(self._specs)
+            flat = pickle.loads(self._flat)  # noqa: S301 - our own bytes
+            self._compiled = compile_flat(flat, self._spec, self.source, inputs)
+
     def _compile_cached(self) -> bool:
         """A warm start: compile the flat copy from AOTAutograd's and Inductor's caches alone
         (seconds); False, with nothing compiled, when they do not hold it."""
         if not WARM_SWITCH:
             return False
         try:
-            with self._compile_context(), cache_only():
-                inputs = fake_inputs(self._specs)
-                assert self._flat is not None
-                flat = pickle.loads(self._flat)  # noqa: S301 - our own bytes
-                self._compiled = compile_flat(flat, self._spec, self.source, inputs)
+            with cache_only():
+                self._compile_copy()
         except CacheMiss:
             return False
         except Exception as e:  # noqa: BLE001 - the worker path decides, as on a cold start
@@ -286,12 +293,7 @@ class BackgroundLowered(nn.Module):
             self._log.close()
         hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         try:
-            # as the worker did: fresh fake tensors from the same descriptions
-            with self._compile_context():
-                inputs = fake_inputs(self._specs)
-                assert self._flat is not None
-                flat = pickle.loads(self._flat)  # noqa: S301 - our own bytes
-                self._compiled = compile_flat(flat, self._spec, self.source, inputs)
+            self._compile_copy()
         except Exception as e:  # noqa: BLE001 - stay on the fx graph, loudly
             self._local, self._why = FAILED, f"{type(e).__name__}: {str(e)[:300]}"
             return
