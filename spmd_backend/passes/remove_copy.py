@@ -41,8 +41,12 @@ aten = torch.ops.aten
 
 
 def inplace_variant(target: object) -> object | None:
-    """``aten.foo_.ovl`` for ``aten.foo.ovl`` when it exists and mutates its first argument."""
+    """``aten.foo_.ovl`` for ``aten.foo.ovl`` when it exists and mutates its first argument's
+    data. A view op (``detach``, ``t``...: its result aliases its input) has none: its
+    "in-place" form rewrites the input's metadata (``detach_`` of a bucket's view raises)."""
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    if any(r.alias_info is not None for r in target._schema.returns):
         return None
     packet = target._overloadpacket.__name__
     if packet.endswith("_"):

@@ -56,3 +56,14 @@ def test_does_not_touch_forward_mutations(fake_pg):
     # after the graph succeeded, and the pass leaves them alone
     assert ("buffers", 0) in compiled.graph.layout.mutated_outputs
     assert not [n for n in copies_into_placeholders(compiled.compiled) if "bn" in n.args[0].name]
+
+
+def test_view_ops_have_no_in_place_variant():
+    """``detach_`` rewrites its input's metadata: on a bucket's view it raises, so a view op is
+    never re-inplaced (found when a Dynamo-door gradient became a bucket view)."""
+    from spmd_backend.passes.remove_copy import inplace_variant
+
+    assert inplace_variant(aten.detach.default) is None
+    assert inplace_variant(aten.t.default) is None
+    assert inplace_variant(aten.add.Tensor) is aten.add_.Tensor
+    assert inplace_variant(aten.mul.Tensor) is aten.mul_.Tensor
