@@ -32,14 +32,18 @@ import torch.fx as fx
 
 from spmd_backend import pipeline
 from spmd_backend.errors import SpmdUsageError
-from spmd_backend.graph import ops
-from spmd_backend.graph.meta import bucket_params
 from spmd_backend.graph.utils import emit_graph_artifact
 from spmd_backend.memory import release_freed_heap
 from spmd_backend.parallel.consistency import check_consistency, graph_signature
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
 from spmd_backend.parallel.sharded_state import prepare_sharding
-from spmd_backend.runtime import RollbackPlan, rollback_plan, run_step
+from spmd_backend.runtime import (
+    RollbackPlan,
+    describe_collectives,
+    log_plan,
+    rollback_plan,
+    run_step,
+)
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
 from spmd_backend.tracing.hyperparams import unfusing_lifts
@@ -307,15 +311,7 @@ class CompiledTrainStep:
         """What each call snapshots so that a failure can restore it (logged with its size)."""
         rollback = rollback_plan(runner, traced.gm.graph, traced.layout.n_inputs)
         if rollback.positions:
-            flat = traced.layout.gather(binding)
-            mb = sum(flat[i].numel() * flat[i].element_size() for i in rollback.positions) / 2**20
-            log.log(
-                logging.WARNING if mb >= 1.0 else logging.INFO,
-                "spmd_backend: %s writes %d input(s) (%s, %.2f MB) %s; each call snapshots "
-                "them so that a failure can restore them", self._name, len(rollback.positions),
-                ", ".join(rollback.names[:4]) + (" ..." if len(rollback.names) > 4 else ""), mb,
-                rollback.reason,
-            )
+            log_plan(rollback, self._name, traced.layout.gather(binding))
         return rollback
 
     def _check_consistency(self, traced: TracedStep, mode: DataParallel) -> None:
@@ -329,12 +325,7 @@ class CompiledTrainStep:
 
     @staticmethod
     def _collectives(entry: CompiledGraph) -> str:
-        graph = getattr(entry.runner, "graph", entry.traced.gm.graph)
-        rows = [
-            f"{n.name} ({', '.join(bucket_params(n)) or 'buffers'})"
-            for n in graph.nodes if ops.is_collective(n)
-        ]
-        return "; ".join(rows) or "none"
+        return describe_collectives(getattr(entry.runner, "graph", entry.traced.gm.graph))
 
     def _run(self, entry: CompiledGraph, binding: StepBinding, last_train_step: bool) -> Any:
         layout = entry.layout

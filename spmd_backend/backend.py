@@ -42,6 +42,7 @@ from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase
 from spmd_backend.memory import release_freed_heap
 from spmd_backend.pipeline import PipelineConfig
+from spmd_backend.runtime import GuardedStep
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,17 @@ def _compile_aot(
     def whole_module(g: fx.GraphModule, ex: list[Any]) -> Any:
         step_cache.drop_key(g.graph)
         graphs.hoist_markers(g.graph)
+        graphs.fold_gradient_copies(g.graph)
         graphs.annotate_phases(g.graph, inputs.kinds, split_optimizer=True)
         upcast_bias_corrections(g.graph)
-        pipeline.expand(g, config)
+        report = pipeline.expand(g, config)
+        counters["spmd"]["reduce_scatters"] += report.reduce_scatters
+        counters["spmd"]["all_gathers"] += report.all_gathers
         return pipeline.transform(g, config, tag="whole_step").module
 
     def whole(g: fx.GraphModule, ex: list[Any]) -> Any:
-        return _runner(whole_module(g, ex))
+        guarded = GuardedStep(whole_module(g, ex), step_cache.WHOLE_STEP)
+        return _runner(lambda *args: guarded(list(args)))
 
     def forward(g: fx.GraphModule, ex: list[Any]) -> Any:
         step_cache.drop_key(g.graph)
@@ -191,6 +196,7 @@ def spmd_dynamo_backend(
     """The Dynamo backend registered as "spmd" (see the module docstring)."""
     config = PipelineConfig.from_options(options, door="dynamo")
     config.parallel.process_group()  # raises on every rank without a process group
+    scope.raise_refusal()  # an optimizer that shard_optimizer cannot serve
     _refuse_compiled_autograd(gm)
     inputs = graphs.classify_inputs(gm)
     pipeline.sync(inputs.state_tensors(), config, inputs.state_names())  # verified, then broadcast

@@ -107,13 +107,6 @@ class PipelineConfig:
     def from_options(cls, options: Mapping[str, Any] | None, door: str) -> PipelineConfig:
         """``torch.compile(..., options=...)`` as a config; unknown keys name the valid ones."""
         options = dict(options or {})
-        if options.get("shard_optimizer"):
-            raise SpmdUsageError(
-                'backend="spmd": options={"shard_optimizer": True} is not supported by the '
-                "torch.compile door yet; sharded optimizer state is available through "
-                "spmd_backend.compile(parallel_mode=DataParallel(shard_optimizer=True))"
-            )
-        options.pop("shard_optimizer", None)
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise SpmdUsageError(
@@ -127,6 +120,7 @@ class PipelineConfig:
             sync_module_states=bool(options.pop("sync_module_states", True)),
             check_finite_grads=bool(options.pop("check_finite_grads", False)),
             gradient_compression=options.pop("gradient_compression", None),
+            shard_optimizer=options.pop("shard_optimizer", False),
         )
         passes = options.pop("passes", None)
         skip = options.pop("skip_passes", ())
@@ -161,7 +155,7 @@ class PipelineConfig:
 #: the keys ``torch.compile(..., backend="spmd", options=...)`` accepts
 OPTION_NAMES: tuple[str, ...] = (
     "reduce_op", "process_group", "broadcast_buffers", "sync_module_states", "check_finite_grads",
-    "gradient_compression", "bucket_size_mb", "passes", "skip_passes", "inductor",
+    "gradient_compression", "shard_optimizer", "bucket_size_mb", "passes", "skip_passes", "inductor",
     "background_compile", "dump_graphs",
 )
 

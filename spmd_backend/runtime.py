@@ -24,7 +24,9 @@ import torch
 import torch.fx as fx
 
 from spmd_backend.errors import SpmdDistributedError, SpmdError, SpmdRuntimeError
+from spmd_backend.graph import ops
 from spmd_backend.graph.commit import CommitRisk, inputs_at_risk, union
+from spmd_backend.graph.meta import bucket_params
 from spmd_backend.graph.utils import mutated_placeholders
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,56 @@ def rollback_plan(runner: Any, source: fx.Graph, n_inputs: int) -> RollbackPlan:
         tuple(p for p, _ in keep), tuple(n for _, n in keep),
         f"written before {risk.fallible_after}, which can still fail" if keep else "",
     )
+
+
+def log_plan(plan: RollbackPlan, name: str, inputs: Sequence[Any]) -> None:
+    """Say once what each call of step ``name`` snapshots (WARNING from 1 MB on)."""
+    if not plan.positions:
+        return
+    mb = sum(inputs[i].numel() * inputs[i].element_size() for i in plan.positions) / 2**20
+    log.log(
+        logging.WARNING if mb >= 1.0 else logging.INFO,
+        "spmd_backend: %s writes %d input(s) (%s, %.2f MB) %s; each call snapshots them so "
+        "that a failure can restore them", name, len(plan.positions),
+        ", ".join(plan.names[:4]) + (" ..." if len(plan.names) > 4 else ""), mb, plan.reason,
+    )
+
+
+def describe_collectives(graph: fx.Graph) -> str:
+    """The collectives of ``graph``, each with the parameters it carries (for error messages)."""
+    rows = [
+        f"{n.name} ({', '.join(bucket_params(n)) or 'buffers'})"
+        for n in graph.nodes if ops.is_collective(n)
+    ]
+    return "; ".join(rows) or "none"
+
+
+class GuardedStep:
+    """A compiled step called with a flat input list (AOTAutograd's boxed convention) through
+    :func:`run_step`: the rollback plan is made on the first call (from the inputs' sizes,
+    logged as the compile door logs it), and a failure restores the inputs at risk and names
+    the failing node. ``name`` says which step, in the log."""
+
+    def __init__(self, runner: Any, name: str) -> None:
+        self.runner = runner
+        self.name = name
+        self._plan: RollbackPlan | None = None
+
+    def _source(self) -> fx.Graph:
+        found = _graphs(self.runner)
+        if not found:
+            raise SpmdRuntimeError(f"spmd_backend: {self.name}: the compiled step has no graph")
+        return found[0]
+
+    def plan(self, inputs: Sequence[Any]) -> RollbackPlan:
+        if self._plan is None:
+            self._plan = rollback_plan(self.runner, self._source(), len(inputs))
+            log_plan(self._plan, self.name, inputs)
+        return self._plan
+
+    def __call__(self, inputs: list[Any]) -> Any:
+        return run_step(self.runner, list(inputs), {}, self.plan(inputs),
+                        lambda: describe_collectives(self._source()))
 
 
 def _fx_node(frame: traceback.FrameSummary, graph_modules: list[fx.GraphModule]) -> str | None:

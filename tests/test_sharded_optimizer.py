@@ -261,15 +261,6 @@ def test_non_elementwise_optimizer_is_refused_before_anything_changes(fake_pg, m
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
 
-def test_dynamo_door_refuses_shard_optimizer_naming_the_compile_door() -> None:
-    from spmd_backend.errors import SpmdUsageError
-    from spmd_backend.pipeline import PipelineConfig
-
-    with pytest.raises(SpmdUsageError, match=r"DataParallel\(shard_optimizer=True\)"):
-        PipelineConfig.from_options({"shard_optimizer": True}, "dynamo")
-    assert PipelineConfig.from_options({"shard_optimizer": False}, "dynamo").parallel.shard_optimizer is False
-
-
 # ----------------------------------------------------------------------------- bucketing
 def _bucketed_job(rank: int, world: int, impl: str, buckets: bool | None) -> dict:
     """The default passes bucket the per-parameter reduce_scatters and all_gathers; parity with

@@ -215,6 +215,41 @@ def hoist_markers(graph: fx.Graph) -> None:
             producer.append(marker)
 
 
+def _reads_only(node: fx.Node) -> bool:
+    """``node`` is an op that neither writes its inputs (``detach_`` on a bucket's view would
+    fail) nor returns them from the graph."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and not schema.is_mutable
+
+
+def fold_gradient_copies(graph: fx.Graph) -> int:
+    """``aten.copy(empty_like(p), grad_ready(g))`` -> ``grad_ready(g)``: the copy Dynamo's
+    ``.grad`` stand-in makes of each new gradient (a parameter-sized buffer and a copy per
+    parameter per step). Only where the copy's value has the marker's shape, dtype and strides,
+    the ``empty_like`` feeds nothing else and every user of the copy only reads it (a ``.grad``
+    that outlives the step, or one ``zero_grad(set_to_none=False)`` detaches in place, must be
+    its own tensor, never a view of a bucket), so every reader sees the same values; the marker then reaches the optimizer directly (which the sharded
+    reduce_scatter requires). Returns the number of copies folded."""
+    aten = torch.ops.aten
+    folded = 0
+    for node in list(graph.nodes):
+        if not ops.is_call_to(node, aten.copy.default) or len(node.args) != 2 or node.kwargs:
+            continue
+        dst, src = node.args
+        if not (isinstance(dst, fx.Node) and ops.is_call_to(dst, aten.empty_like.default)
+                and len(dst.users) == 1 and isinstance(src, fx.Node) and ops.is_grad_marker(src)
+                and all(_reads_only(u) for u in node.users)):
+            continue
+        a, b = node.meta.get("val"), src.meta.get("val")
+        if a is None or b is None or (a.shape, a.dtype, a.stride()) != (b.shape, b.dtype, b.stride()):
+            continue
+        node.replace_all_uses_with(src)
+        graph.erase_node(node)
+        graph.erase_node(dst)
+        folded += 1
+    return folded
+
+
 def annotate_phases(graph: fx.Graph, kinds: dict[int, str] | None = None,
                     default: Phase = Phase.FORWARD, *, split_optimizer: bool = False) -> None:
     """Phases of an AOTAutograd graph. Collectives and waits are ``comm``, gradient markers

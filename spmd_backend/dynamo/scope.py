@@ -43,14 +43,31 @@ from typing import Any
 
 import torch
 
-from spmd_backend.dynamo import fresh_state
+from spmd_backend.dynamo import fresh_state, sharded_update
+from spmd_backend.errors import SpmdUsageError
+from spmd_backend.tracing.sharding import ShardSpec
 
 log = logging.getLogger(__name__)
 
 #: the torch versions whose internals this module adjusts
 SUPPORTED = torch.__version__.startswith("2.13.")
 _MARK = "_spmd_whole_step"
-_state = {"installed": False, "active": 0}
+_state: dict[str, Any] = {"installed": False, "active": 0}
+
+
+class _Sharding:
+    """The sharded-optimizer setting of the frame being traced (``shard_optimizer`` option)."""
+
+    spec: ShardSpec | None = None
+    options: dict[str, Any] | None = None
+    #: ``(optimizer, parameter)`` state entries created for this frame (undone on failure)
+    created: list[tuple[Any, Any]] = []
+    #: why an optimizer of the frame cannot be sharded (the backend raises it: see
+    #: :func:`raise_refusal`)
+    refused: Exception | None = None
+
+
+_sharding = _Sharding()
 
 
 def mark_whole_step(backend: Callable[..., Any]) -> Callable[..., Any]:
@@ -59,15 +76,31 @@ def mark_whole_step(backend: Callable[..., Any]) -> Callable[..., Any]:
     return backend
 
 
-def _is_whole_step_backend(compiler_fn: Any) -> bool:
+def _innermost(compiler_fn: Any) -> Any:
     from torch._dynamo.eval_frame import innermost_backend
 
     try:
-        fn = innermost_backend(compiler_fn)
+        return innermost_backend(compiler_fn)
     except Exception:  # noqa: BLE001 - anything unexpected: not ours
-        return False
+        return None
+
+
+def _is_whole_step_backend(compiler_fn: Any) -> bool:
+    fn = _innermost(compiler_fn)
     fn = getattr(fn, "compiler_fn", fn)  # torch.compile's _TorchCompileWrapper
+    fn = getattr(fn, "func", fn)  # functools.partial(backend, options=...)
     return bool(getattr(fn, _MARK, False))
+
+
+def _backend_options(compiler_fn: Any) -> dict[str, Any] | None:
+    """The ``options`` the backend will be called with (``torch.compile(..., options=...)`` or
+    ``functools.partial(backend, options=...)``)."""
+    fn = _innermost(compiler_fn)
+    kwargs = getattr(fn, "kwargs", None)  # _TorchCompileWrapper
+    if isinstance(kwargs, dict):
+        return kwargs.get("options")
+    keywords = getattr(fn, "keywords", None)  # functools.partial
+    return keywords.get("options") if isinstance(keywords, dict) else None
 
 
 def _original(fn: Any) -> Any:
@@ -128,6 +161,13 @@ def _inline_disabled(traceable: set[Any]) -> Patch:
             target = _original(fn.get_function())
             if target in traceable:
                 fn = VariableTracker.build(self, target)
+        spec = _sharding.spec
+        if spec is not None and isinstance(fn, UserFunctionVariable) and len(args) >= 2 \
+                and fn.get_function() in sharded_update.FUNCTIONALS \
+                and self.f_code is not sharded_update.sharded_update.__code__:
+            fqns = sharded_update.param_fqns(args[0], sharded_update.FUNCTIONALS[fn.get_function()])
+            extra = [fn, *(VariableTracker.build(self, v) for v in (spec.rank, spec.world, fqns))]
+            fn, args = VariableTracker.build(self, sharded_update.sharded_update), [*extra, *args]
         return original(self, fn, args, kwargs, *a, **k)
 
     return (InstructionTranslatorBase, "inline_user_function_return", inline_user_function_return)
@@ -173,6 +213,7 @@ def _init_group_traced() -> Patch:
 
     def call_method(self: Any, tx: Any, name: str, args: Any, kwargs: Any) -> Any:
         if name == "_init_group":
+            _prepare_sharding([self.value])  # with sharding on: one the frame hook did not see
             target = VariableTracker.build(tx, _original(type(self.value)._init_group))
             return tx.inline_user_function_return(target, [self, *args], kwargs)
         return original(self, tx, name, args, kwargs)
@@ -262,6 +303,24 @@ def whole_step_scope() -> Iterator[None]:
         _state["active"] -= 1
 
 
+def _prepare_sharding(optimizers: list[Any]) -> None:
+    """With sharding on: create a fresh optimizer's state and shard it before it is traced."""
+    if optimizers and _sharding.spec is not None:  # both idempotent
+        _sharding.created.extend(fresh_state.create_fresh_state(optimizers))
+        try:
+            sharded_update.prepare(optimizers, _sharding.options, _sharding.spec)
+        except SpmdUsageError as e:  # raised by the backend, like its other errors
+            _sharding.refused = _sharding.refused or e
+
+
+def raise_refusal() -> None:
+    """Raise the reason an optimizer of the frame being compiled cannot be sharded, if any
+    (called by the backend: an error raised while Dynamo traces would reach the user as an
+    internal Dynamo error)."""
+    if _sharding.refused is not None:
+        raise _sharding.refused
+
+
 def install() -> bool:
     """Install the pass-through frame hook once; False (nothing installed) off torch 2.13."""
     if not SUPPORTED:
@@ -277,15 +336,20 @@ def install() -> bool:
                       compiler_fn: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_whole_step_backend(compiler_fn):
             return original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
+        options = _backend_options(compiler_fn)
         with whole_step_scope():
-            created = fresh_state.create_fresh_state(
-                fresh_state.optimizers_of_frame(code, locals, globals, closure)
-            )
+            optimizers = fresh_state.optimizers_of_frame(code, locals, globals, closure)
+            _sharding.spec, _sharding.options = sharded_update.spec_for(options), options
+            _sharding.created = fresh_state.create_fresh_state(optimizers)
             try:
+                _prepare_sharding(optimizers)
                 return original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
             except BaseException:
-                fresh_state.remove_state(created)
+                fresh_state.remove_state(_sharding.created)
                 raise
+            finally:
+                _sharding.spec = _sharding.options = _sharding.refused = None
+                _sharding.created = []
 
     convert_frame.compile_frame = compile_frame
     _state["installed"] = True

@@ -60,7 +60,11 @@ from spmd_backend.lowering.compile_worker import fake_tensor, tensor_spec
 from spmd_backend.lowering.handover import stable_cache_keys
 from spmd_backend.pass_manager import DUMP_ENV, env_skips, pass_spec_of
 from spmd_backend.pipeline import PipelineConfig
+from spmd_backend.runtime import GuardedStep
 from spmd_backend.tracing.markers import PIPELINE_KEY
+
+#: how the log and errors name the step this door compiles
+WHOLE_STEP = 'the backend="spmd" whole step'
 
 #: graph attributes larger than this are not hashed: such a graph is not cached
 MAX_HASHED_ATTRIBUTE_BYTES = 16 << 20
@@ -245,6 +249,8 @@ class StepOutputCode(OutputCode):
         self._run = run
         self._graph: bytes | None = None
         self._specs: list[Any] = []
+        #: the module run with the compile door's rollback (made on the first call)
+        self._guarded: GuardedStep | None = None
 
     @classmethod
     def unsaved(cls, run: Callable[[list[Any]], Any], reason: str) -> StepOutputCode:
@@ -256,7 +262,9 @@ class StepOutputCode(OutputCode):
             return self._run(inputs)
         if self.module is None:
             raise RuntimeError("StepOutputCode called before post_compile()")
-        return self.module(*inputs)
+        if self._guarded is None or self._guarded.runner is not self.module:
+            self._guarded = GuardedStep(self.module, WHOLE_STEP)
+        return self._guarded(inputs)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         return None
@@ -278,6 +286,7 @@ class StepOutputCode(OutputCode):
         except SpmdSerializationError as e:
             raise _bypass(str(e)) from e
         self.module = None
+        self._guarded = None
         counters["spmd"]["step_cache_saved"] += 1
 
     def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:

@@ -84,6 +84,10 @@ class DataParallel:
     gradient_compression: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shard_optimizer, bool):
+            raise SpmdUsageError(
+                f"DataParallel(shard_optimizer={self.shard_optimizer!r}): expected True or False"
+            )
         if self.reduce_op not in _REDUCE_OPS:
             raise SpmdUsageError(
                 f"DataParallel(reduce_op={self.reduce_op!r}): expected one of {_REDUCE_OPS}"

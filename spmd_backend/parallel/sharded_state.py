@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from spmd_backend.errors import SpmdUsageError
-from spmd_backend.tracing.sharding import ShardSpec, check_shardable
+from spmd_backend.tracing.sharding import COMPILE_DOOR_OPTION, ShardSpec, check_shardable
 
-_HOOKS_ATTR = "_spmd_sharded_state"
+#: the attribute marking an optimizer whose state-dict hooks are installed
+HOOKS_ATTR = "_spmd_sharded_state"
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -79,11 +80,11 @@ def full_state_dict(
 
 def install_state_dict_hooks(opt: torch.optim.Optimizer, spec: ShardSpec, group: Any) -> None:
     """Make ``state_dict()`` full and ``load_state_dict()`` re-shard (once per optimizer)."""
-    installed = getattr(opt, _HOOKS_ATTR, None)
+    installed = getattr(opt, HOOKS_ATTR, None)
     if installed is not None:
         if installed != (spec, id(group)):
             raise SpmdUsageError(
-                f"DataParallel(shard_optimizer=True): this {type(opt).__name__} is already "
+                f"shard_optimizer=True: this {type(opt).__name__} is already "
                 f"sharded as {installed[0]} over another group; one optimizer, one sharding"
             )
         return
@@ -91,15 +92,17 @@ def install_state_dict_hooks(opt: torch.optim.Optimizer, spec: ShardSpec, group:
         lambda o, sd: full_state_dict(o, sd, spec, group)
     )
     opt.register_load_state_dict_post_hook(lambda o: shard_optimizer_state(o, spec) and None)
-    setattr(opt, _HOOKS_ATTR, (spec, id(group)))
+    setattr(opt, HOOKS_ATTR, (spec, id(group)))
 
 
 def prepare_sharding(
-    opt: torch.optim.Optimizer, group: Any, spec: ShardSpec | None
+    opt: torch.optim.Optimizer, group: Any, spec: ShardSpec | None,
+    option: str = COMPILE_DOOR_OPTION,
 ) -> tuple[ShardSpec, bool]:
     """Before a compiled call: refuse an optimizer sharding cannot serve, install the state-dict
-    hooks (once), shard any full state; returns this rank's spec and whether state changed."""
-    check_shardable(opt)
+    hooks (once), shard any full state; returns this rank's spec and whether state changed.
+    ``option`` is the option as the user spelled it (for messages)."""
+    check_shardable(opt, option)
     if spec is None:
         spec = ShardSpec(dist.get_rank(group), dist.get_world_size(group))
     install_state_dict_hooks(opt, spec, group)

@@ -65,12 +65,17 @@ class ShardSpec:
         return tuple(state.shape) == (self.chunk(param.numel()),)
 
 
-def check_shardable(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer whose update is not elementwise (sharding would change its result)."""
+#: how the compile door spells the option in messages
+COMPILE_DOOR_OPTION = "DataParallel(shard_optimizer=True)"
+
+
+def check_shardable(optimizer: torch.optim.Optimizer, option: str = COMPILE_DOOR_OPTION) -> None:
+    """Refuse an optimizer whose update is not elementwise (sharding would change its result);
+    messages start with ``option``, the option as the user spelled it."""
     name = type(optimizer).__name__
     if not any(type(optimizer) is getattr(torch.optim, n, None) for n in SHARDABLE):
         raise SpmdUsageError(
-            f"DataParallel(shard_optimizer=True): {name} is not supported; sharding the "
+            f"{option}: {name} is not supported; sharding the "
             "optimizer state needs an update that is elementwise in each parameter, which "
             f"torch.optim's {', '.join(sorted(SHARDABLE))} are (a subclass or another optimizer "
             "may mix elements: run it with shard_optimizer=False)"
@@ -78,7 +83,7 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     for g, group in enumerate(optimizer.param_groups):
         if group.get("differentiable"):
             raise SpmdUsageError(
-                f"DataParallel(shard_optimizer=True): param group {g} of {name} is "
+                f"{option}: param group {g} of {name} is "
                 "differentiable=True, which sharding does not support"
             )
 
