@@ -3,7 +3,7 @@ state through the Dynamo door, on 2 gloo ranks.
 
 Parity with DDP (parameters, and the full optimizer state through ``state_dict()``) for Adam,
 SGD with momentum (bit for bit), fused Adam, single-tensor AdamW on uneven and tiny parameters,
-torch's TransformerEncoder with AdamW; each rank holding half of the state; a state_dict round
+transformers' GPT-2 and torch's TransformerEncoder with AdamW; each rank holding half of the state; a state_dict round
 trip continuing exactly like the uninterrupted run; an optimizer the compiled function reaches
 only through an attribute; refusals. The negative control replaces the gradient reduce_scatter by
 a local slice: parity must then fail.
@@ -49,6 +49,9 @@ CASES = {
     "uneven-adamw-single": lambda: ParityCase(
         _uneven(), OptimSpec("adamw", "single", weight_decay=0.1), steps=4, shard_optimizer=True,
         dynamo_options=SHARD_FX),
+    "hf_gpt2-adamw": lambda: ParityCase(  # transformers' GPT-2 (tiny config, random init)
+        "hf_gpt2", OptimSpec("adamw", "foreach", lr=1e-3, weight_decay=0.01), steps=3,
+        reduce_op="avg", shard_optimizer=True, dynamo_options=SHARD_FX),
     "torch_encoder-adamw": lambda: ParityCase(
         "torch_encoder", OptimSpec("adamw", "foreach", lr=1e-3, weight_decay=0.01), steps=3,
         reduce_op="avg", shard_optimizer=True, dynamo_options=SHARD_FX),

@@ -25,7 +25,8 @@ Variants: ddp, ddp_compiled (torch.compile of the DDP model), spmd (no transform
 spmd_opt (graph optimization), spmd_opt_inductor (graph optimization + Inductor), spmd_shard
 (spmd_opt_inductor with ``DataParallel(shard_optimizer=True)``; spmd_shard_buckets: the same with
 its reduce_scatters and all_gathers bucketed, which is not gloo's default), spmd_dynamo
-(``torch.compile(step, backend="spmd")``: bucketing, wait scheduling, Inductor), ddp_bf16 (DDP
+(``torch.compile(step, backend="spmd")``: bucketing, wait scheduling, Inductor; spmd_dynamo_shard:
+the same with ``options={"shard_optimizer": True}``), ddp_bf16 (DDP
 with its ``bf16_compress_hook``) and spmd_bf16 (spmd_opt_inductor with
 ``DataParallel(gradient_compression="bf16")``).
 """
@@ -52,7 +53,7 @@ from spmd_backend.testing import run_on_ranks  # noqa: E402
 
 ALL_VARIANTS = [
     "ddp", "ddp_compiled", "spmd", "spmd_opt", "spmd_opt_inductor", "spmd_shard", "spmd_dynamo",
-    "ddp_bf16", "spmd_bf16", "spmd_shard_buckets",
+    "ddp_bf16", "spmd_bf16", "spmd_shard_buckets", "spmd_dynamo_shard",
 ]
 #: how the optimizer is spelled on every side: as most users write it, or tuned
 OPTIMIZERS = {"default": {}, "fused": {"fused": True}}
@@ -169,8 +170,9 @@ def _build(variant: str, build, step_fn, device, optim: str = "fused"):
         fwd = torch.compile(net) if variant == "ddp_compiled" else net
         return (lambda b: step_fn(fwd, opt, b)), net, opt
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, **OPTIMIZERS[optim])
-    if variant == "spmd_dynamo":
-        compiled = torch.compile(step_fn, backend="spmd")
+    if variant in ("spmd_dynamo", "spmd_dynamo_shard"):
+        options = {"shard_optimizer": True} if variant == "spmd_dynamo_shard" else None
+        compiled = torch.compile(step_fn, backend="spmd", options=options)
         return (lambda b: compiled(model, opt, b)), model, opt
     transformation = None
     if variant != "spmd":
