@@ -20,6 +20,11 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
 * traces the fused optimizers (``_fused_adam``...) Dynamo otherwise skips;
 * creates a fresh optimizer's state before the frame is traced
   (:mod:`spmd_backend.dynamo.fresh_state`), so a step compiles once instead of twice.
+* with ``options={"shard_optimizer": True}``: shards the state of the frame's optimizers before
+  Dynamo reads it (an optimizer reached only through an attribute: when its ``_init_group`` is
+  traced) and inlines each optimizer's update functional on this rank's shards
+  (:mod:`spmd_backend.dynamo.sharded_update`); a refused optimizer is raised by the backend
+  (:func:`raise_refusal`).
 
 Scoping: :func:`install` wraps ``torch._dynamo.convert_frame.compile_frame`` (the function
 Dynamo calls for every frame, resume frames included) with a pass-through that enters the scope
@@ -33,6 +38,7 @@ On another torch version nothing is installed and the backend runs in per-graph 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -55,13 +61,14 @@ _MARK = "_spmd_whole_step"
 _state: dict[str, Any] = {"installed": False, "active": 0}
 
 
+@dataclasses.dataclass
 class _Sharding:
     """The sharded-optimizer setting of the frame being traced (``shard_optimizer`` option)."""
 
     spec: ShardSpec | None = None
     options: dict[str, Any] | None = None
     #: ``(optimizer, parameter)`` state entries created for this frame (undone on failure)
-    created: list[tuple[Any, Any]] = []
+    created: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
     #: why an optimizer of the frame cannot be sharded (the backend raises it: see
     #: :func:`raise_refusal`)
     refused: Exception | None = None
@@ -336,10 +343,12 @@ def install() -> bool:
                       compiler_fn: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_whole_step_backend(compiler_fn):
             return original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
+        global _sharding
         options = _backend_options(compiler_fn)
+        outer = _sharding  # a frame compiled while another is (not expected)
         with whole_step_scope():
             optimizers = fresh_state.optimizers_of_frame(code, locals, globals, closure)
-            _sharding.spec, _sharding.options = sharded_update.spec_for(options), options
+            _sharding = _Sharding(sharded_update.spec_for(options), options)
             _sharding.created = fresh_state.create_fresh_state(optimizers)
             try:
                 _prepare_sharding(optimizers)
@@ -348,8 +357,7 @@ def install() -> bool:
                 fresh_state.remove_state(_sharding.created)
                 raise
             finally:
-                _sharding.spec = _sharding.options = _sharding.refused = None
-                _sharding.created = []
+                _sharding = outer
 
     convert_frame.compile_frame = compile_frame
     _state["installed"] = True

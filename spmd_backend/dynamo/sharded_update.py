@@ -39,9 +39,10 @@ from typing import Any
 import torch
 
 from spmd_backend.dynamo.graphs import source_fqn
+from spmd_backend.errors import SpmdUsageError
 from spmd_backend.parallel.sharded_state import prepare_sharding
 from spmd_backend.tracing.markers import GRAD_SHARD, PARAM_GATHER, local_shard
-from spmd_backend.tracing.sharding import SHARDABLE, ShardSpec
+from spmd_backend.tracing.sharding import SHARDABLE, ShardSpec, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def sharded_update(
     shard_grads: list[torch.Tensor] = []
     gathered: list[tuple[torch.Tensor, torch.Tensor, str]] = []
     for p, g, fqn in zip(params, grads, fqns):
-        if world > 1 and p.dim() >= 1 and p.numel() >= world:  # ShardSpec.shards
+        if is_sharded(p.dim(), p.numel(), world):
             s = local_shard(p.detach(), rank, world)
             shards.append(s)
             shard_grads.append(GRAD_SHARD(g, fqn, rank, world))
@@ -111,12 +112,17 @@ def param_fqns(params: Any, what: str) -> tuple[str, ...]:
 
 
 def spec_for(options: dict[str, Any] | None) -> ShardSpec | None:
-    """This rank's :class:`ShardSpec` when ``options`` ask for sharded optimizer state."""
+    """This rank's :class:`ShardSpec` when ``options`` ask for sharded optimizer state; None
+    otherwise, and for options the backend will refuse (invalid ones, no process group: it
+    raises the same error when it parses them, as a backend error)."""
     if not (options or {}).get("shard_optimizer"):
         return None
     from spmd_backend.pipeline import PipelineConfig
 
-    group = PipelineConfig.from_options(options, door="dynamo").parallel.process_group()
+    try:
+        group = PipelineConfig.from_options(options, door="dynamo").parallel.process_group()
+    except SpmdUsageError:
+        return None
     return ShardSpec(torch.distributed.get_rank(group), torch.distributed.get_world_size(group))
 
 

@@ -40,6 +40,13 @@ SHARDABLE = frozenset({
 })
 
 
+def is_sharded(dim: int, numel: int, world: int) -> bool:
+    """Whether a parameter of ``dim`` dimensions and ``numel`` elements is sharded over ``world``
+    ranks: it has a dimension and at least one element per rank (smaller and 0-dim parameters
+    stay replicated: all-reduced and updated on every rank, as without sharding)."""
+    return world > 1 and dim >= 1 and numel >= world
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """This rank's place in the sharding: ``rank`` of ``world`` (the data-parallel group's)."""
@@ -48,10 +55,8 @@ class ShardSpec:
     world: int
 
     def shards(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is sharded: it has a dimension and at least one element per rank
-        (smaller and 0-dim parameters stay replicated: all-reduced and updated on every rank,
-        as without sharding)."""
-        return self.world > 1 and param.dim() >= 1 and param.numel() >= self.world
+        """Whether ``param`` is sharded (:func:`is_sharded`)."""
+        return is_sharded(param.dim(), param.numel(), self.world)
 
     def chunk(self, numel: int) -> int:
         return shard_numel(numel, self.world)
