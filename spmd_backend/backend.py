@@ -75,7 +75,8 @@ def _compile_aot(
     def whole_module(g: fx.GraphModule, ex: list[Any]) -> Any:
         step_cache.drop_key(g.graph)
         graphs.hoist_markers(g.graph)
-        graphs.fold_gradient_copies(g.graph)
+        if config.parallel.shard_optimizer:  # the reduce_scatter needs the marker unhidden
+            graphs.fold_gradient_copies(g.graph)
         graphs.annotate_phases(g.graph, inputs.kinds, split_optimizer=True)
         upcast_bias_corrections(g.graph)
         report = pipeline.expand(g, config)
