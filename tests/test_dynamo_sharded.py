@@ -2,7 +2,7 @@
 state through the Dynamo door, on 2 gloo ranks.
 
 Parity with DDP (parameters, and the full optimizer state through ``state_dict()``) for Adam,
-SGD with momentum (bit for bit), fused Adam, single-tensor AdamW on uneven and tiny parameters,
+SGD with momentum (bit for bit, also with DDP's fp16 compression hook), two param groups, fused Adam, single-tensor AdamW on uneven and tiny parameters,
 transformers' GPT-2 and torch's TransformerEncoder with AdamW; each rank holding half of the state; a state_dict round
 trip continuing exactly like the uninterrupted run; an optimizer the compiled function reaches
 only through an attribute; refusals. The negative control replaces the gradient reduce_scatter by
@@ -43,6 +43,12 @@ CASES = {
     "mlp-sgd-momentum": lambda: ParityCase(
         "mlp", OptimSpec("sgd", "single", lr=0.05, momentum=0.9), steps=4, reduce_op="avg",
         shard_optimizer=True, dynamo_options=SHARD_FX),
+    "mlp-sgd-momentum-fp16-compressed": lambda: ParityCase(  # DDP + fp16_compress_hook
+        "mlp", OptimSpec("sgd", "single", lr=0.05, momentum=0.9), steps=4, reduce_op="avg",
+        gradient_compression="fp16", shard_optimizer=True, dynamo_options=SHARD_FX),
+    "mlp-adam-single-2groups": lambda: ParityCase(
+        "mlp", OptimSpec("adam", "single", param_groups=2, weight_decay=0.01), steps=4,
+        reduce_op="avg", shard_optimizer=True, dynamo_options=SHARD_FX),
     "mlp-adam-fused-avg": lambda: ParityCase(
         "mlp", OptimSpec("adam", "fused", weight_decay=0.01), steps=4, reduce_op="avg",
         shard_optimizer=True, dynamo_options=SHARD_FX),
@@ -63,7 +69,7 @@ def test_parity_with_ddp(rank_pool, name: str) -> None:
     results = rank_pool.run(_parity, CASES[name]())
     for r in results:
         assert r["dynamo"]["whole_step_graphs"] >= 1 and r["dynamo"]["graph_breaks"] == 0, r
-    if name == "mlp-sgd-momentum":  # elementwise, and halving is exact: bit for bit
+    if name.startswith("mlp-sgd-momentum"):  # elementwise, and halving is exact: bit for bit
         assert all(r["param"] == 0.0 and r["state"] == 0.0 for r in results), results
 
 
