@@ -254,7 +254,7 @@ def test_shard_optimizer_option_must_be_a_bool() -> None:
 
 
 # ----------------------------------------------------------------------------- a failed step
-def _killed_peer_job(rank: int, world: int, out: str) -> None:
+def _killed_peer_job(rank: int, world: int, out: str, inductor: bool) -> None:
     """Rank 1 dies between steps; rank 0's next step must raise a named error and leave its
     parameters, gradients and shards of the optimizer state as they were (written to ``out``:
     the pool reports rank 1's exit, not rank 0's result)."""
@@ -263,8 +263,10 @@ def _killed_peer_job(rank: int, world: int, out: str) -> None:
 
     torch._dynamo.reset()
     model, opt = _mlp_and_opt()
-    step = torch.compile(_step, backend="spmd",
-                         options={"shard_optimizer": True, "reduce_op": "avg", "inductor": False})
+    step = torch.compile(_step, backend="spmd", options={
+        "shard_optimizer": True, "reduce_op": "avg", "inductor": inductor,
+        "background_compile": False,
+    })
     for x in _batches(rank, 0, 2):
         step(model, opt, x)
     if rank == 1:
@@ -285,7 +287,10 @@ def _killed_peer_job(rank: int, world: int, out: str) -> None:
     pathlib.Path(out).write_text(json.dumps(result))
 
 
-def test_a_failed_step_names_the_collective_and_changes_nothing(tmp_path) -> None:
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+def test_a_failed_step_names_the_collective_and_changes_nothing(tmp_path, inductor: bool) -> None:
+    """With the fx graph and with Inductor's code (the peer is gone before the step: the first
+    collective fails, after the step counters were incremented in place)."""
     import json
 
     from spmd_backend.testing.ranks import RankPool
@@ -294,7 +299,7 @@ def test_a_failed_step_names_the_collective_and_changes_nothing(tmp_path) -> Non
     pool = RankPool(2, timeout=30, failure_grace=60)
     try:
         with pytest.raises(Exception, match="rank 1"):
-            pool.run(_killed_peer_job, str(out), timeout=120)
+            pool.run(_killed_peer_job, str(out), inductor, timeout=180)
     finally:
         pool.close(kill=True)
     result = json.loads(out.read_text())
