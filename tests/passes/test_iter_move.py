@@ -13,6 +13,7 @@ from spmd_backend.pass_manager import PassManager
 from spmd_backend.passes import (
     ModuleTarget,
     comm_fusion_with_concat,
+    commit_writes_late,
     iter_move_grads_and_optimizers,
     remove_copy_from_optimizer,
     schedule_comm_wait,
@@ -23,7 +24,7 @@ def wide():
     return Net(dims=(16, 512, 512, 512, 8))
 
 
-def mover(comm, dest, seen=None):
+def mover(comm, dest, seen=None, commit_late=False):
     def transformation(gm):
         igm = IterGraphModule(gm)
         PassManager(
@@ -35,17 +36,20 @@ def mover(comm, dest, seen=None):
             )
         iter_move_grads_and_optimizers(igm, comm, dest)
         assert igm.num_moves == 1
+        if commit_late:  # the default pipeline's last pass, after the move
+            PassManager([commit_writes_late]).run(igm)
         igm.finalize_setup()
         return igm
 
     return transformation
 
 
+@pytest.mark.parametrize("commit_late", [False, True], ids=["", "commit_late"])
 @pytest.mark.parametrize("optim_kind", ["adam_fused", "adam_foreach", "sgd_momentum"])
-def test_move_by_module_fqn_matches_unmoved(fake_pg, optim_kind):
+def test_move_by_module_fqn_matches_unmoved(fake_pg, optim_kind, commit_late):
     seen = []
     compiled, model, ref = run_pair(
-        mover(ModuleTarget("layers.2"), ModuleTarget("layers.2"), seen),
+        mover(ModuleTarget("layers.2"), ModuleTarget("layers.2"), seen, commit_late),
         optim_kind=optim_kind, model_factory=wide, steps=5,
     )
     assert_same_training(model, ref)
