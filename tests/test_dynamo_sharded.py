@@ -227,15 +227,19 @@ def test_per_graph_mode_shards_too(rank_pool) -> None:
 
 
 # ----------------------------------------------------------------------------- refusals
-def test_non_elementwise_optimizer_is_refused_naming_the_option(fake_pg) -> None:
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adafactor(ps, lr=0.01),
+    lambda ps: type("MyAdam", (torch.optim.Adam,), {})(ps, lr=0.01),  # its update is adam.adam
+], ids=["Adafactor", "Adam-subclass"])
+def test_non_elementwise_optimizer_is_refused_naming_the_option(fake_pg, make) -> None:
     from spmd_backend.errors import SpmdUsageError
 
     torch._dynamo.reset()
     model = nn.Linear(4, 4)
-    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    opt = make(model.parameters())
     before = copy.deepcopy(model.state_dict())
     step = torch.compile(_step, backend="spmd", options={"shard_optimizer": True})
-    with pytest.raises(Exception, match=r'options=\{"shard_optimizer": True\}: Adafactor is not supported') as info:
+    with pytest.raises(Exception, match=r'options=\{"shard_optimizer": True\}: \w+ is not supported') as info:
         step(model, opt, torch.randn(2, 4))
     # raised by the backend, as Dynamo reports every backend error (not as an internal error)
     assert isinstance(getattr(info.value, "inner_exception", None), SpmdUsageError), repr(info.value)

@@ -79,12 +79,14 @@ def test_transformation_with_passes_and_inductor(fake_pg):
     igm = step.compiled
     assert all(isinstance(igm._gm(k), InductorModule) for k in ("setup", "main", "cleanup"))
     assert [r.name for r in transformation.pass_records] == [
-        "comm_fusion_with_concat", "schedule_comm_wait", "remove_copy_from_optimizer"
+        "comm_fusion_with_concat", "schedule_comm_wait", "remove_copy_from_optimizer",
+        "commit_writes_late",
     ]
     files = set(os.listdir(transformation.dump_folder))
     assert "traced.graph" in files and "final.main.graph" in files
     assert "00.comm_fusion_with_concat.before.main.graph" in files
     assert "02.remove_copy_from_optimizer.after.main.graph" in files
+    assert "03.commit_writes_late.after.main.graph" in files
     # the compiled graph still holds the bucketed collective (Inductor keeps it in order)
     assert any(ops.is_all_reduce(n) for n in igm._gm("main").graph.nodes)
 

@@ -66,7 +66,8 @@ class _Sharding:
     """The sharded-optimizer setting of the frame being traced (``shard_optimizer`` option)."""
 
     spec: ShardSpec | None = None
-    options: dict[str, Any] | None = None
+    #: the data-parallel process group (the backend's ``process_group`` option)
+    group: Any = None
     #: ``(optimizer, parameter)`` state entries created for this frame (undone on failure)
     created: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
     #: why an optimizer of the frame cannot be sharded (the backend raises it: see
@@ -168,8 +169,9 @@ def _inline_disabled(traceable: set[Any]) -> Patch:
             target = _original(fn.get_function())
             if target in traceable:
                 fn = VariableTracker.build(self, target)
-        spec = _sharding.spec
-        if spec is not None and isinstance(fn, UserFunctionVariable) and len(args) >= 2 \
+        spec = _sharding.spec  # none after a refusal: traced unsharded, the backend raises it
+        if spec is not None and _sharding.refused is None \
+                and isinstance(fn, UserFunctionVariable) and len(args) >= 2 \
                 and fn.get_function() in sharded_update.FUNCTIONALS \
                 and self.f_code is not sharded_update.sharded_update.__code__:
             fqns = sharded_update.param_fqns(args[0], sharded_update.FUNCTIONALS[fn.get_function()])
@@ -315,7 +317,7 @@ def _prepare_sharding(optimizers: list[Any]) -> None:
     if optimizers and _sharding.spec is not None:  # both idempotent
         _sharding.created.extend(fresh_state.create_fresh_state(optimizers))
         try:
-            sharded_update.prepare(optimizers, _sharding.options, _sharding.spec)
+            sharded_update.prepare(optimizers, _sharding.spec, _sharding.group)
         except SpmdUsageError as e:  # raised by the backend, like its other errors
             _sharding.refused = _sharding.refused or e
 
@@ -348,7 +350,7 @@ def install() -> bool:
         outer = _sharding  # a frame compiled while another is (not expected)
         with whole_step_scope():
             optimizers = fresh_state.optimizers_of_frame(code, locals, globals, closure)
-            _sharding = _Sharding(sharded_update.spec_for(options), options)
+            _sharding = _Sharding(*(sharded_update.spec_for(options) or (None, None)))
             _sharding.created = fresh_state.create_fresh_state(optimizers)
             try:
                 _prepare_sharding(optimizers)

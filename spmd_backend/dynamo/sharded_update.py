@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +42,6 @@ from spmd_backend.errors import SpmdUsageError
 from spmd_backend.parallel.sharded_state import prepare_sharding
 from spmd_backend.tracing.markers import GRAD_SHARD, PARAM_GATHER, local_shard
 from spmd_backend.tracing.sharding import SHARDABLE, ShardSpec, is_sharded
-
-log = logging.getLogger(__name__)
 
 #: how this door spells the option in messages
 OPTION = 'backend="spmd" options={"shard_optimizer": True}'
@@ -111,10 +108,10 @@ def param_fqns(params: Any, what: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def spec_for(options: dict[str, Any] | None) -> ShardSpec | None:
-    """This rank's :class:`ShardSpec` when ``options`` ask for sharded optimizer state; None
-    otherwise, and for options the backend will refuse (invalid ones, no process group: it
-    raises the same error when it parses them, as a backend error)."""
+def spec_for(options: dict[str, Any] | None) -> tuple[ShardSpec, Any] | None:
+    """This rank's :class:`ShardSpec` and the data-parallel group when ``options`` ask for
+    sharded optimizer state; None otherwise, and for options the backend will refuse (invalid
+    ones, no process group: it raises the same error when it parses them, as a backend error)."""
     if not (options or {}).get("shard_optimizer"):
         return None
     from spmd_backend.pipeline import PipelineConfig
@@ -123,19 +120,16 @@ def spec_for(options: dict[str, Any] | None) -> ShardSpec | None:
         group = PipelineConfig.from_options(options, door="dynamo").parallel.process_group()
     except SpmdUsageError:
         return None
-    return ShardSpec(torch.distributed.get_rank(group), torch.distributed.get_world_size(group))
+    spec = ShardSpec(torch.distributed.get_rank(group), torch.distributed.get_world_size(group))
+    return spec, group
 
 
-def prepare(optimizers: list[Any], options: dict[str, Any] | None, spec: ShardSpec) -> None:
+def prepare(optimizers: list[Any], spec: ShardSpec, group: Any) -> None:
     """Refuse an optimizer sharding cannot serve, install the full-state ``state_dict`` hooks
     and shard the live state of each optimizer (idempotent)."""
-    from spmd_backend.pipeline import PipelineConfig
-
-    group = PipelineConfig.from_options(options, door="dynamo").parallel.process_group()
     for opt in optimizers:
-        if not isinstance(opt, torch.optim.Optimizer):
-            continue
-        prepare_sharding(opt, group, spec, OPTION)
+        if isinstance(opt, torch.optim.Optimizer):
+            prepare_sharding(opt, group, spec, OPTION)
 
 
 __all__ = ["FUNCTIONALS", "OPTION", "param_fqns", "prepare", "sharded_update", "spec_for"]
