@@ -85,8 +85,7 @@ def _compile_aot(
         return pipeline.transform(g, config, tag="whole_step").module
 
     def whole(g: fx.GraphModule, ex: list[Any]) -> Any:
-        guarded = GuardedStep(whole_module(g, ex), step_cache.WHOLE_STEP)
-        return _runner(lambda *args: guarded(list(args)))
+        return GuardedStep(whole_module(g, ex), step_cache.WHOLE_STEP)
 
     def forward(g: fx.GraphModule, ex: list[Any]) -> Any:
         step_cache.drop_key(g.graph)

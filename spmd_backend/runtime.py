@@ -100,10 +100,12 @@ def describe_collectives(graph: fx.Graph) -> str:
 
 
 class GuardedStep:
-    """A compiled step called with a flat input list (AOTAutograd's boxed convention) through
-    :func:`run_step`: the rollback plan is made on the first call (from the inputs' sizes,
-    logged as the compile door logs it), and a failure restores the inputs at risk and names
-    the failing node. ``name`` says which step, in the log."""
+    """A compiled step called with a flat input list (AOTAutograd's boxed convention, hence
+    ``_boxed_call``) through :func:`run_step`: the rollback plan is made on the first call (from
+    the inputs' sizes, logged as the compile door logs it), and a failure restores the inputs at
+    risk and names the failing node. ``name`` says which step, in the log."""
+
+    _boxed_call = True
 
     def __init__(self, runner: Any, name: str) -> None:
         self.runner = runner
@@ -123,7 +125,7 @@ class GuardedStep:
         return self._plan
 
     def __call__(self, inputs: list[Any]) -> Any:
-        return run_step(self.runner, list(inputs), {}, self.plan(inputs),
+        return run_step(self.runner, inputs, {}, self.plan(inputs),
                         lambda: describe_collectives(self._source()))
 
 

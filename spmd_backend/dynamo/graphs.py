@@ -215,13 +215,6 @@ def hoist_markers(graph: fx.Graph) -> None:
             producer.append(marker)
 
 
-def _reads_only(node: fx.Node) -> bool:
-    """``node`` is an op that neither writes its inputs (``detach_`` on a bucket's view would
-    fail) nor returns them from the graph."""
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and not schema.is_mutable
-
-
 def fold_gradient_copies(graph: fx.Graph) -> int:
     """``aten.copy(empty_like(p), grad_ready(g))`` -> ``grad_ready(g)``: the copy Dynamo's
     ``.grad`` stand-in makes of each new gradient (a parameter-sized buffer and a copy per
@@ -245,7 +238,7 @@ def fold_gradient_copies(graph: fx.Graph) -> int:
         dst, src = node.args
         if not (isinstance(dst, fx.Node) and ops.is_call_to(dst, aten.empty_like.default)
                 and len(dst.users) == 1 and isinstance(src, fx.Node) and ops.is_grad_marker(src)
-                and all(_reads_only(u) for u in node.users)):
+                and all(ops.reads_only(u) for u in node.users)):
             continue
         a, b = node.meta.get("val"), src.meta.get("val")
         if a is None or b is None or (a.shape, a.dtype, a.stride()) != (b.shape, b.dtype, b.stride()):

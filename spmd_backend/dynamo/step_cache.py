@@ -249,8 +249,8 @@ class StepOutputCode(OutputCode):
         self._run = run
         self._graph: bytes | None = None
         self._specs: list[Any] = []
-        #: the module run with the compile door's rollback (made on the first call)
-        self._guarded: GuardedStep | None = None
+        #: the module run with the compile door's rollback
+        self._guarded = GuardedStep(module, WHOLE_STEP) if module is not None else None
 
     @classmethod
     def unsaved(cls, run: Callable[[list[Any]], Any], reason: str) -> StepOutputCode:
@@ -260,10 +260,8 @@ class StepOutputCode(OutputCode):
     def __call__(self, inputs: list[Any]) -> Any:
         if self._run is not None:
             return self._run(inputs)
-        if self.module is None:
+        if self._guarded is None:
             raise RuntimeError("StepOutputCode called before post_compile()")
-        if self._guarded is None or self._guarded.runner is not self.module:
-            self._guarded = GuardedStep(self.module, WHOLE_STEP)
         return self._guarded(inputs)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
@@ -311,6 +309,7 @@ class StepOutputCode(OutputCode):
         with _as_outside():
             module.finalize_setup()
         self.module = module
+        self._guarded = GuardedStep(module, WHOLE_STEP)
         counters["spmd"]["step_cache_hits"] += 1
 
 

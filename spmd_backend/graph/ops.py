@@ -145,6 +145,25 @@ def is_detach(node: fx.Node) -> bool:
     return is_call_to(node, aten.detach.default)
 
 
+def is_view_target(target: object) -> bool:
+    """An op overload whose result aliases an input without writing it (``view``, ``detach``,
+    ``t``, ``slice``...: its "in-place" form would rewrite the input's metadata)."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    )
+
+
+def is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and is_view_target(node.target)
+
+
+def reads_only(node: fx.Node) -> bool:
+    """An op call that neither writes its inputs nor is anything but an op (not the output)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and not schema.is_mutable
+
+
 def is_placeholder(node: fx.Node) -> bool:
     return node.op == "placeholder"
 

@@ -38,26 +38,19 @@ from spmd_backend.pass_manager import declare_pass
 log = logging.getLogger(__name__)
 
 
-def _is_view(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
-    )
-
-
 def _aliases(node: fx.Node) -> set[fx.Node]:
     """``node`` and every view of it (transitively)."""
     found, todo = {node}, [node]
     while todo:
         for user in todo.pop().users:
-            if user not in found and _is_view(user):
+            if user not in found and ops.is_view(user):
                 found.add(user)
                 todo.append(user)
     return found
 
 
 def _view_root(node: fx.Node) -> fx.Node:
-    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+    while ops.is_view(node) and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 

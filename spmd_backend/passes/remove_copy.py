@@ -46,7 +46,7 @@ def inplace_variant(target: object) -> object | None:
     "in-place" form rewrites the input's metadata (``detach_`` of a bucket's view raises)."""
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return None
-    if any(r.alias_info is not None for r in target._schema.returns):
+    if ops.is_view_target(target):
         return None
     packet = target._overloadpacket.__name__
     if packet.endswith("_"):
