@@ -174,3 +174,68 @@ def test_radam_in_place_rewrite_keeps_shapes(fake_pg, impl):
         step(twin, twin_opt, x)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def insert_fault_before_last_wait(gm):
+    """Right before the graph's last wait, a fault op (on the batch, which nothing writes): the
+    last bucket's collective "fails" after the earlier buckets' have completed."""
+    from spmd_backend.graph import ops
+
+    last = [n for n in gm.graph.nodes if ops.is_wait(n)][-1]
+    batch = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_before(last):
+        injected = gm.graph.call_function(torch.ops.spmd_test.fault_.default, (batch,))
+    inherit(injected, last)
+    injected.meta["val"] = None
+
+
+class Deep(nn.Module):
+    """Four 512x512 layers (1 MiB weights): with 1 MB buckets, one bucket per layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(4)))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["fused", "single"])
+def test_inductor_keeps_updates_after_a_later_collective(fake_pg, impl):
+    """Inductor must not run an earlier bucket's optimizer update before a later bucket's
+    collective has completed: its peak-memory reordering did (the update frees the bucket), so
+    a failing later collective left the earlier layers' parameters and moments updated without
+    a snapshot to restore them. Fails with ``reorder_for_peak_memory`` on."""
+    torch.manual_seed(0)
+    model = Deep()
+    twin = copy.deepcopy(model)
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": False}
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, **kwargs)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01, **kwargs)
+    transformation = GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=True, bucket_size_mb=1,
+        extra_passes=[insert_fault_before_last_wait], background_compile=False,
+    )
+    compiled = spmd_backend.compile(gm_transformation=transformation)(step)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(16, 512, generator=gen)
+        compiled(model, opt, x)
+        step(twin, twin_opt, x)
+    waits = [n for n in compiled.compiled.graph.nodes if "wait_tensor" in str(n.target)]
+    assert len(waits) >= 3, "several buckets"
+    before = snapshot(model, opt)
+    FAULT["on"] = True
+    try:
+        with pytest.raises(SpmdRuntimeError, match="injected fault"):
+            compiled(model, opt, torch.randn(16, 512, generator=gen))
+    finally:
+        FAULT["on"] = False
+    assert_same(snapshot(model, opt), before)
+    for _ in range(2):
+        x = torch.randn(16, 512, generator=gen)
+        compiled(model, opt, x)
+        step(twin, twin_opt, x)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)

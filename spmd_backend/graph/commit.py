@@ -11,9 +11,12 @@ exactly as they were. A graph input is at risk when the graph writes it in place
 * other aten ops can only fail on shapes, which the trace has already checked.
 
 "Before" is graph order. The fx interpreter runs nodes in that order; Inductor keeps it for
-the writes that matter here: an optimizer update depends on the gradients, hence on the
-forward and backward, so fusion cannot hoist it above an earlier collective or assertion
-(``tests/test_failed_step.py`` checks this with Inductor). :func:`inputs_at_risk` returns the
+the writes that matter here because step graphs compile with its peak-memory reordering off
+(:data:`spmd_backend.lowering.inductor.STEP_GRAPH_CONFIG`): that reordering ran an earlier
+bucket's update, which depends on nothing but its own bucket, before a later bucket's
+collective, so a failure of the later one left the earlier parameters and moments written
+without a snapshot. ``tests/test_failed_step.py`` checks both with Inductor (a fault before
+the last wait, fused and single-tensor Adam). :func:`inputs_at_risk` returns the
 placeholder positions to snapshot before a call and restore after a failure; for the default
 pipeline only the optimizer's step counters (incremented before the gradients arrive).
 """

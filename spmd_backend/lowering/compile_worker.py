@@ -101,6 +101,7 @@ def main(path: str) -> int:
 
     import spmd_backend.lowering.fused_decomp  # noqa: F401 - registers the graph's custom ops
     from spmd_backend.lowering.handover import stable_cache_keys
+    from spmd_backend.lowering.inductor import step_graph_config
 
     stable_cache_keys()  # the same cache keys as the training process
 
@@ -111,7 +112,8 @@ def main(path: str) -> int:
     _apply_process_state(payload["process_state"])
     _register_groups(payload["groups"])
 
-    compile_fx(pickle.loads(payload["gm"]), fake_inputs(payload["inputs"]))  # noqa: S301
+    with step_graph_config():  # as the training process compiles
+        compile_fx(pickle.loads(payload["gm"]), fake_inputs(payload["inputs"]))  # noqa: S301
     return 0
 
 
