@@ -8,7 +8,8 @@ DummyModel MLP, dim 2048 x 5 layers, batch 32; a GPT-style transformer), every v
 with Adam, spelled as users write it (``--optim default``: single-tensor on CPU) and tuned
 (``--optim fused``), each spelling on every side; steps are interleaved across variants so noise hits all alike. Per variant: median
 steady-state step time (after warm-up), ratio to DDP eager, first-call (compile) time, optimizer state held per rank,
-peak resident memory during its steps (process-wide RSS on CPU, max allocated on GPU) and exposed
+peak memory during its steps (process-wide RSS on CPU; on GPU the most its steps allocated
+above what was allocated when they began) and exposed
 communication (profiled time blocked in ``wait_tensor``). In the same run: the compute-only step
 (one rank's local step without any communication) and the communication-only time (all_reduce of
 the gradient bytes in DDP's 25 MB buckets); their max is the lower bound each variant is
@@ -16,7 +17,8 @@ compared with. Also: trace time of a 12-layer GPT's first calls and the pass-pip
 24-layer graph, and (``--compile-times``) the first call and the first two calls of each compiling variant in
 fresh processes, cold (an empty Inductor cache) and warm (the cache the cold run filled), with
 the time and calls until a background compile switches to Inductor's code, and
-(``--memory``) each variant's resident memory per rank in its own processes. Per variant, one
+(``--memory``) each variant's peak memory per rank in its own processes (resident set on CPU,
+the caching allocator's peak on GPU). Per variant, one
 profiled step is split by category (compute, exposed communication, optimizer, packing and
 copies, Python/runtime overhead; see ``CATEGORIES``).
 Writes JSON and a markdown table. A benchmark, not a test.
@@ -292,6 +294,9 @@ def _bench_job(
             runs[v] = run
         times: dict[str, list[float]] = {v: [] for v in runs}
         windows: dict[str, list[tuple[float, float]]] = {v: [] for v in runs}
+        # on CUDA: the most its own steps allocated above what was allocated when they started
+        # (every variant's model lives in this process; --memory measures each one alone)
+        cuda_peak: dict[str, int] = dict.fromkeys(runs, 0)
         with RssSampler() as sampler:
             for i, batch in enumerate(batches[2:]):
                 for v, run in runs.items():
@@ -299,6 +304,7 @@ def _bench_job(
                         dist.barrier()
                     if use_cuda:
                         torch.cuda.reset_peak_memory_stats()
+                        before = torch.cuda.memory_allocated()
                     t0 = time.perf_counter()
                     run(batch)
                     _sync(device)
@@ -306,6 +312,9 @@ def _bench_job(
                     if i >= 2:
                         times[v].append(t1 - t0)
                         windows[v].append((t0, t1))
+                        if use_cuda:
+                            cuda_peak[v] = max(cuda_peak[v],
+                                               torch.cuda.max_memory_allocated() - before)
         comm = _comm_only(model, device)
         compute = statistics.median(times["compute_only"])
         bound = max(compute, comm)
@@ -320,7 +329,7 @@ def _bench_job(
                 "step_ms": 1e3 * med,
                 "ratio_to_ddp": med / ddp_med if ddp_med else None,
                 "first_call_s": first[v],
-                "peak_mem_mb": (torch.cuda.max_memory_allocated() if use_cuda else sampler.peak(windows[v])) / 2**20,
+                "peak_mem_mb": (cuda_peak[v] if use_cuda else sampler.peak(windows[v])) / 2**20,
                 "exposed_comm_ms": 1e3 * exposed if exposed is not None else None,
                 "distance_to_bound": med / bound,
                 "optim_state_mb": _state_mb(opts[v]),
@@ -409,15 +418,26 @@ def _memory_job(rank: int, world: int, name: str, variant: str, optim: str, step
 
     import torch.distributed as dist
 
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     os.environ["SPMD_BACKEND_BACKGROUND_COMPILE"] = "0"  # steady steps run Inductor's code
     build, make_batch, step_fn = workload(name)
     gen = torch.Generator().manual_seed(rank)
-    batches = [make_batch(gen) for _ in range(steps + 2)]
-    run, _, _ = _build(variant, build, step_fn, torch.device("cpu"), optim)
+    batches = [make_batch(gen).to(device) for _ in range(steps + 2)]
+    run, _, _ = _build(variant, build, step_fn, device, optim)
     for b in batches[:2]:
         run(b)
     dist.barrier()
+    if use_cuda:  # GPU memory: the caching allocator's peak of live tensors
+        _sync(device)
+        lifetime = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for b in batches[2:]:
+            run(b)
+        _sync(device)
+        steady = torch.cuda.max_memory_allocated()
+        return {"steady_peak_mb": steady / 2**20, "lifetime_peak_mb": max(lifetime, steady) / 2**20}
     with RssSampler(period=0.002) as sampler:
         t0 = time.perf_counter()
         for b in batches[2:]:
@@ -441,7 +461,8 @@ def memory(names: list[str], variants: list[str], ranks: int, optims: list[str],
     """Peak resident memory per rank, each variant in its own processes (the larger rank)."""
 
     def measure(name: str, v: str, optim: str) -> dict[str, float]:
-        per_rank = run_on_ranks(_memory_job, name, v, optim, steps, world_size=ranks, timeout=1800)
+        per_rank = run_on_ranks(_memory_job, name, v, optim, steps, world_size=ranks,
+                                timeout=1800, backend=_backend())
         return {k: max(r[k] for r in per_rank) for k in per_rank[0]}
 
     return _per_variant(names, optims, variants, measure)
@@ -463,6 +484,10 @@ def compile_times(names: list[str], variants: list[str], ranks: int,
         return out
 
     return _per_variant(names, optims, variants, measure)
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _fmt(x: Any, spec: str = ".1f") -> str:
@@ -509,7 +534,8 @@ def markdown(result: dict) -> str:
                          f"{t.get('call1_cache_hits_warm', '-')} |")
         lines.append("")
     for name, per_variant in result.get("memory", {}).items():
-        lines.append(f"### {name}: resident memory per rank, each variant in its own processes, MB\n")
+        what = "peak allocated GPU" if result["meta"]["backend"] == "nccl" else "resident"
+        lines.append(f"### {name}: {what} memory per rank, each variant in its own processes, MB\n")
         lines.append("| variant | steady steps peak | vs ddp | lifetime peak (compile included) |")
         lines.append("|---|---|---|---|")
         base = per_variant.get("ddp", {}).get("steady_peak_mb")
@@ -546,7 +572,7 @@ def main() -> None:
     parser.add_argument("--out", default="out/bench.json")
     parser.add_argument("--md", default="out/bench.md")
     args = parser.parse_args()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = _backend()
     result: dict[str, Any] = {
         "meta": {
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",

@@ -1,0 +1,294 @@
+"""The GPU paths, checked on one CUDA device: NCCL with one rank, Triton lowering, checkpointing.
+
+    python tools/gpu_check.py [--device cuda|cpu] [--steps 6] [--out out/gpu_check.json]
+
+Not a test (CI has no GPU): a record for docs/benchmarks.md, run when the device tool lends a
+GPU machine. One rank on NCCL (gloo with ``--device cpu``, for a dry run here). Per case, the
+compiled step and DDP train side by side from the same initial weights and batches; reported:
+the largest parameter difference after ``--steps`` steps, the host time a call spends before
+its graph runs (``dispatch_ms``: binding, cache key, lookup, gathering inputs), whether
+Inductor compiled the step graph (``lowered``; a fallback to the fx graph is logged by the
+lowering and reported as ``fallback``), and the error if the case failed. Cases: the seed's
+MLP and transformers' GPT-2 x (fx graph, Inductor, sharded optimizer state, bf16 compression)
+x (``Adam(...)``, ``Adam(fused=True)``); then the peak CUDA memory of a GPT step with and
+without ``spmd_backend.checkpoint`` on every block, compiled and eager. Every
+case runs whatever the others did; the script exits non-zero when one failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import pathlib
+import platform
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from spmd_backend.testing import run_on_ranks  # noqa: E402
+
+MODES = ("fx", "inductor", "shard", "bf16")
+OPTIMS = {"default": {}, "fused": {"fused": True}}
+
+
+class _LoweringLog(logging.Handler):
+    """Counts the lowering's 'compiled' and 'could not compile' records."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.compiled = 0
+        self.fallbacks: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "Inductor compiled" in msg:
+            self.compiled += 1
+        elif "could not compile" in msg:
+            self.fallbacks.append(msg[:400])
+
+
+def _models(name: str, device: torch.device):
+    """(build, batch(gen), loss(model, batch)) of a workload."""
+    if name == "mlp":
+        from spmd_backend.testing.models import DummyModel
+
+        return (lambda: DummyModel(3, 512), lambda g: torch.randn(32, 512, generator=g).to(device),
+                lambda m, b: m(b).sum())
+    if name == "hf_gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        def build() -> torch.nn.Module:
+            config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, n_positions=64,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                eos_token_id=0)
+            return GPT2LMHeadModel(config)
+
+        return (build, lambda g: torch.randint(0, 1024, (4, 64), generator=g).to(device),
+                lambda m, b: m(input_ids=b, labels=b).loss)
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+def _parity_case(name: str, mode: str, optim: str, steps: int, device: torch.device) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spmd_backend
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+    from spmd_backend.testing.parity import register_compression_hook
+
+    build, batch, loss_fn = _models(name, device)
+    torch.manual_seed(0)
+    model = build().to(device)
+    ref = copy.deepcopy(model)
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DDP(ref, device_ids=ids)
+    if mode == "bf16":
+        register_compression_hook(ddp, "bf16")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **OPTIMS[optim])
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3, **OPTIMS[optim])
+
+    def step_fn(model, optim, b):  # type: ignore[no-untyped-def]
+        loss = loss_fn(model, b)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    transformation = GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=mode != "fx", background_compile=False)
+    step = spmd_backend.compile(
+        gm_transformation=transformation,
+        parallel_mode=spmd_backend.DataParallel(
+            reduce_op="avg", shard_optimizer=mode == "shard",
+            gradient_compression="bf16" if mode == "bf16" else None),
+    )(step_fn)
+    handler = _LoweringLog()
+    logging.getLogger("spmd_backend").addHandler(handler)
+    logging.getLogger("spmd_backend").setLevel(logging.INFO)
+    gen = torch.Generator().manual_seed(1)
+    times = []
+    try:
+        for _ in range(steps):
+            b = batch(gen)
+            t0 = time.perf_counter()
+            step(model, opt, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            step_fn(ddp, ref_opt, b)
+    finally:
+        logging.getLogger("spmd_backend").removeHandler(handler)
+    overhead_ms = _dispatch_ms(step, model, opt, batch(gen))
+    diff = max(float((p.detach().double() - q.detach().double()).abs().max())
+               for p, q in zip(model.parameters(), ref.parameters()))
+    devices = {str(p.device) for p in model.parameters()}
+    # after the comparison: these calls train the compiled side alone
+    profile = ddp_profile = None
+    if mode == "inductor":
+        profile = _profile(step, model, opt, batch(gen), device)
+        ddp_profile = _profile(lambda _m, _o, b: step_fn(ddp, ref_opt, b), ddp, ref_opt,
+                               batch(gen), device)
+    return {"max_param_diff": diff, "lowered": handler.compiled > 0, "fallback": handler.fallbacks,
+            "param_devices": sorted(devices), "first_two_calls_s": sum(times[:2]),
+            "last_call_ms": 1e3 * times[-1], "dispatch_ms": overhead_ms, "profile": profile,
+            "ddp_profile": ddp_profile}
+
+
+def _dispatch_ms(step: Any, model: torch.nn.Module, opt: Any, b: torch.Tensor,
+                 reps: int = 50) -> float:
+    """Median host time of what a compiled step's call does before its graph runs: bind the
+    arguments, compute the cache key, find the cached graph, gather the graph's inputs."""
+    import statistics
+
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        binding = step._bind((model, opt, b), {})
+        entry, _, _ = step._lookup(binding.key(), binding)
+        entry.layout.gather(binding, entry.hyper_cache)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def _profile(step: Any, model: torch.nn.Module, opt: Any, b: torch.Tensor,
+             device: torch.device, reps: int = 20) -> dict:
+    """Where a steady call's time goes: wall time per call (synchronized), the GPU's kernel
+    time per call (torch.profiler), and the host functions with the most own time (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(reps):
+            step(model, opt, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
+                    if e.device_type == torch.autograd.DeviceType.CUDA) if device.type == "cuda" else 0
+    host = cProfile.Profile()
+    t0 = time.perf_counter()
+    host.enable()
+    for _ in range(reps):
+        step(model, opt, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    host.disable()
+    wall = time.perf_counter() - t0
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(20)
+    return {"gpu_kernel_ms_per_call": kernel_us / 1e3 / reps,
+            "wall_ms_per_call_under_cprofile": 1e3 * wall / reps,
+            "host_top": text.getvalue().splitlines()[-26:]}
+
+
+def _checkpoint_memory(device: torch.device, compiled: bool, ckpt: bool) -> dict:
+    """Peak memory of a GPT step with/without spmd_backend.checkpoint on every block."""
+    import torch.nn.functional as F
+
+    import spmd_backend
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+    from spmd_backend.testing.models import GPT
+
+    torch.manual_seed(0)
+    dim, seq, bsz = (512, 512, 16) if device.type == "cuda" else (64, 64, 4)  # CPU: a dry run
+    model = GPT(vocab=512, dim=dim, heads=8, layers=6, seq=seq).to(device)
+    if ckpt:
+        for block in model.blocks:
+            spmd_backend.checkpoint(block)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step_fn(model, optim, b):  # type: ignore[no-untyped-def]
+        logits = model(b)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    run = step_fn
+    if compiled:
+        transformation = GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=True, background_compile=False)
+        step = spmd_backend.compile(gm_transformation=transformation)(step_fn)
+        run = step
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for i in range(4):
+        b = torch.randint(0, 512, (bsz, seq), generator=gen).to(device)
+        if i == 3 and device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        losses.append(float(run(model, opt, b)))
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    return {"steady_peak_mb": peak, "losses": losses}
+
+
+def _job(rank: int, world: int, steps: int, workloads: list[str]) -> dict:
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    out: dict[str, Any] = {"parity": {}, "checkpoint": {}}
+    for name in workloads:
+        for optim in OPTIMS:
+            for mode in MODES:
+                key = f"{name}/{mode}/Adam {optim}"
+                try:
+                    out["parity"][key] = _parity_case(name, mode, optim, steps, device)
+                except Exception as e:  # noqa: BLE001 - a record, every case runs
+                    out["parity"][key] = {"error": f"{type(e).__name__}: {e}"[:2000],
+                                          "traceback": traceback.format_exc()[-4000:]}
+                print(key, {k: v for k, v in out["parity"][key].items() if k not in ("traceback", "profile", "ddp_profile")},
+                      flush=True)
+    for compiled in (False, True):
+        for ckpt in (False, True):
+            key = f"{'compiled' if compiled else 'eager'}/{'checkpoint' if ckpt else 'plain'}"
+            try:
+                out["checkpoint"][key] = _checkpoint_memory(device, compiled, ckpt)
+            except Exception as e:  # noqa: BLE001
+                out["checkpoint"][key] = {"error": f"{type(e).__name__}: {e}"[:2000],
+                                          "traceback": traceback.format_exc()[-4000:]}
+            print(key, {k: v for k, v in out["checkpoint"][key].items() if k != "traceback"},
+                  flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "hf_gpt2"])
+    parser.add_argument("--out", default="out/gpu_check.json")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device")
+    env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else None
+    meta = {"torch": torch.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.machine(),
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
+            "date": time.strftime("%Y-%m-%d")}
+    result = run_on_ranks(_job, args.steps, args.workloads, world_size=1, timeout=3000,
+                          backend="nccl" if args.device == "cuda" else "gloo", env=env)[0]
+    result["meta"] = meta
+    path = pathlib.Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(json.dumps(meta))
+    failed = [k for part in ("parity", "checkpoint") for k, v in result[part].items() if "error" in v]
+    print(f"wrote {path}; failed: {failed or 'none'}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SPMD_BACKEND_BACKGROUND_COMPILE", "0")
+    main()
