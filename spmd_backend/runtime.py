@@ -8,7 +8,8 @@ raises, and re-raises as :class:`~spmd_backend.errors.SpmdRuntimeError` (or
 that failed: the fx node of an fx graph (from the generated code's line map), the source nodes
 Inductor lists above the failing kernel call. For the default pipeline the plan holds only the
 optimizer's step counters (incremented before the gradients arrive): parameters and moments are
-written by ops that depend on every collective.
+written by ops that depend on every collective. Small snapshots (the step counters) are copied
+into buffers the plan keeps, one multi-tensor copy per call (:data:`KEEP_BUFFERS_BYTES`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import linecache
 import logging
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +35,13 @@ log = logging.getLogger(__name__)
 _COMM_MARKERS = ("timed out", "timeout", "connection", "peer", "gloo", "nccl")
 
 
+#: snapshots up to this size are copied into buffers the plan keeps between calls (one
+#: multi-tensor copy per call instead of a clone per tensor: on a GPU, one launch instead of one
+#: per optimizer step counter); larger ones are cloned per call, so their memory is not held
+#: between steps
+KEEP_BUFFERS_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class RollbackPlan:
     """Flat input positions to snapshot before a call (empty: nothing can be half-written)."""
@@ -41,14 +49,27 @@ class RollbackPlan:
     positions: tuple[int, ...]
     names: tuple[str, ...]
     reason: str
+    #: the kept snapshot buffers (see KEEP_BUFFERS_BYTES), made on the first snapshot
+    _buffers: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
 
     def snapshot(self, flat: Sequence[Any]) -> list[torch.Tensor]:
-        return [flat[i].detach().clone() for i in self.positions]
+        src = [flat[i].detach() for i in self.positions]
+        if not src:
+            return []
+        bufs = self._buffers
+        if not bufs or any(
+            b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
+            for b, t in zip(bufs, src)
+        ):
+            if sum(t.numel() * t.element_size() for t in src) > KEEP_BUFFERS_BYTES:
+                return [t.clone() for t in src]
+            bufs[:] = [torch.empty_like(t) for t in src]
+        torch._foreach_copy_(bufs, src)
+        return bufs
 
     def restore(self, flat: Sequence[Any], saved: list[torch.Tensor]) -> None:
         with torch.no_grad():
-            for i, old in zip(self.positions, saved):
-                flat[i].copy_(old)
+            torch._foreach_copy_([flat[i] for i in self.positions], saved)
 
 
 def _graphs(runner: Any) -> list[fx.Graph] | None:

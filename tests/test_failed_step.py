@@ -239,3 +239,30 @@ def test_inductor_keeps_updates_after_a_later_collective(fake_pg, impl):
         step(twin, twin_opt, x)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_rollback_plan_keeps_small_snapshots_and_restores_the_latest():
+    from spmd_backend.runtime import KEEP_BUFFERS_BYTES, RollbackPlan
+
+    small = [torch.tensor(1.0), torch.zeros(3, dtype=torch.int64), torch.tensor(5.0)]
+    plan = RollbackPlan((0, 2), ("a", "c"), "test")
+    first = plan.snapshot(small)
+    small[0].add_(1)
+    small[2].add_(1)
+    second = plan.snapshot(small)
+    assert second[0] is first[0], "small snapshots reuse the plan's buffers"
+    small[0].fill_(-7)
+    small[2].fill_(-7)
+    plan.restore(small, second)
+    assert small[0].item() == 2.0 and small[2].item() == 6.0  # the latest snapshot, not the first
+    small[0] = torch.tensor([1.0, 2.0])  # another shape at the same position: new buffers
+    third = plan.snapshot(small)
+    assert third[0].shape == (2,) and torch.equal(third[0], small[0])
+
+    big = [torch.ones(KEEP_BUFFERS_BYTES // 4 + 1)]
+    plan = RollbackPlan((0,), ("big",), "test")
+    one, two = plan.snapshot(big), plan.snapshot(big)
+    assert one[0] is not two[0] and not plan._buffers, "large snapshots are not held between calls"
+    big[0].zero_()
+    plan.restore(big, two)
+    assert bool((big[0] == 1).all())

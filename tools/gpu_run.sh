@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The GPU record (docs/benchmarks.md, "On one H100"): run on a lent GPU machine from the
+# The GPU record (docs/benchmarks.md, "One H100 GPU"): run on a lent GPU machine from the
 # repository root, results under ${OUT:-out/gpu}. The device image's torch (2.11 when this was
 # written) lacks torch.compiler._non_strict_tracing_context, which torch 2.13 uses to let
 # torch.utils.checkpoint trace like eager; every process here gets a stand-in that does nothing
 # (sitecustomize), so everything but checkpointed steps traces as on 2.13. Not used by CI.
+#   tools/gpu_run.sh check|bench|memory|all   (WORKLOADS="mlp hf_gpt2" by default)
 set -uo pipefail
 out=${OUT:-out/gpu}
+workloads=${WORKLOADS:-mlp hf_gpt2}
 mkdir -p "$out" /tmp/spmd_shim
 cat > /tmp/spmd_shim/sitecustomize.py <<'PY'
 import contextlib
@@ -17,14 +19,23 @@ if not hasattr(torch.compiler, "_non_strict_tracing_context"):
 PY
 export PYTHONPATH=/tmp/spmd_shim PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/spmd_inductor}
 what=${1:-all}
-if [ "$what" = all ] || [ "$what" = check ]; then
-  timeout 330 python3 tools/gpu_check.py --out "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1
-  echo "gpu_check rc=$?"; grep -E '^(mlp|hf_gpt2|eager|compiled)/|^wrote|^\{' "$out/gpu_check.log" | cut -c1-400
-fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  timeout 400 python3 tools/bench.py --ranks 1 --no-trace --workloads mlp hf_gpt2 \
+  # shellcheck disable=SC2086
+  timeout 300 python3 tools/bench.py --ranks 1 --no-trace --workloads $workloads \
     --variants ddp ddp_compiled spmd_opt_inductor spmd_shard ddp_bf16 spmd_bf16 --steps 30 \
-    --memory ddp ddp_compiled spmd_opt_inductor spmd_bf16 \
     --out "$out/bench.json" --md "$out/bench.md" > "$out/bench.log" 2>&1
   echo "bench rc=$?"; cat "$out/bench.md"
+fi
+if [ "$what" = all ] || [ "$what" = memory ]; then
+  # shellcheck disable=SC2086
+  timeout 200 python3 tools/bench.py --ranks 1 --no-trace --no-steps --workloads $workloads \
+    --memory ddp spmd_opt_inductor spmd_bf16 \
+    --out "$out/memory.json" --md "$out/memory.md" > "$out/memory.log" 2>&1
+  echo "memory rc=$?"; cat "$out/memory.md"
+fi
+if [ "$what" = all ] || [ "$what" = check ]; then
+  # shellcheck disable=SC2086
+  timeout 330 python3 tools/gpu_check.py --workloads $workloads --out "$out/gpu_check.json" \
+    > "$out/gpu_check.log" 2>&1
+  echo "gpu_check rc=$?"; grep -E '^(mlp|hf_gpt2|eager|compiled)/|^wrote|^\{' "$out/gpu_check.log" | cut -c1-400
 fi

@@ -182,19 +182,15 @@ class StepBinding:
                  tuple(lifted.get(gi, ())), gi in self.unfused_groups)
                 for gi, g in enumerate(opt.param_groups)
             )
-            state = tuple(
-                None
-                if p not in opt.state
-                else tuple((k, hashable(v)) for k, v in sorted(opt.state[p].items(), key=_item_key))
-                for p in self.params
-            )
+            live = opt.state
+            state = tuple([None if p not in live else _state_key(live[p]) for p in self.params])
             opt_hooks = optimizer_state_hooks(opt)
         return StepKey(
             module=id(self.module),
             optimizer=id(opt) if opt is not None else None,
-            params=tuple((id(p),) + tensor_spec(p) + _tensor_hooks(p) for p in self.params),
-            grads=tuple(None if p.grad is None else tensor_spec(p.grad) for p in self.params),
-            buffers=tuple((id(b),) + tensor_spec(b) for b in self.buffers),
+            params=tuple([(id(p),) + tensor_spec(p) + _tensor_hooks(p) for p in self.params]),
+            grads=tuple([None if (g := p.grad) is None else tensor_spec(g) for p in self.params]),
+            buffers=tuple([(id(b),) + tensor_spec(b) for b in self.buffers]),
             groups=groups,
             state=state,
             optimizer_hooks=opt_hooks,
@@ -361,3 +357,11 @@ def _unique_named(named: Any) -> tuple[list[Any], list[tuple[str, ...]]]:
 
 def _item_key(kv: tuple[Any, Any]) -> str:
     return str(kv[0])
+
+
+def _state_key(entry: dict) -> tuple:
+    """One parameter's optimizer state in the key: its entries by name, each value hashable."""
+    items = list(entry.items())
+    if len(items) > 1:
+        items.sort(key=_item_key)
+    return tuple([(k, hashable(v)) for k, v in items])

@@ -29,32 +29,41 @@ import torch.nn as nn
 
 _PLAIN_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
                 torch.layout, torch.memory_format)
+_PLAIN_TYPE_SET = frozenset(_PLAIN_TYPES)
 
 
 def tensor_spec(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
+# Computed for every call of a compiled step (the key), so these test an object's real type
+# (``type``/``issubclass``) rather than ``isinstance``, which also asks the object for its
+# ``__class__``: through a transformers config's ``__getattribute__`` that was a tenth of a
+# GPT-2 step's key.
 def is_plain(value: Any) -> bool:
     """A Python value a trace can bake in and a key can compare by value."""
-    if isinstance(value, _PLAIN_TYPES) or isinstance(value, enum.Enum):
+    t = type(value)
+    if t in _PLAIN_TYPE_SET or issubclass(t, _PLAIN_TYPES) or issubclass(t, enum.Enum):
         return True
-    if type(value) in (tuple, frozenset):
+    if t is tuple or t is frozenset:
         return all(is_plain(v) for v in value)
     return False
 
 
 def hashable(value: Any) -> Any:
     """``value`` in a hashable form that compares equal exactly when the trace would agree."""
+    t = type(value)
+    if t in _PLAIN_TYPE_SET:
+        return value
+    if issubclass(t, torch.Tensor):
+        return ("tensor",) + tensor_spec(value)
     if is_plain(value):
         return value
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(hashable(v) for v in value))
-    if isinstance(value, torch.Tensor):
-        return ("tensor",) + tensor_spec(value)
-    if isinstance(value, dict):
+    if issubclass(t, (list, tuple)):
+        return (t.__name__, tuple(hashable(v) for v in value))
+    if issubclass(t, dict):
         return ("dict", tuple((hashable(k), hashable(v)) for k, v in value.items()))
-    return ("object", type(value).__qualname__, id(value))
+    return ("object", t.__qualname__, id(value))
 
 
 # ------------------------------------------------------------------ process-wide flags
@@ -93,7 +102,6 @@ def _hook_ids(module: nn.Module) -> tuple:
     )
 
 
-_PLAIN_TYPE_SET = frozenset(_PLAIN_TYPES)
 #: attribute types that are never plain and never hold plain settings (module internals)
 _SKIPPED_TYPES = frozenset({dict, collections.OrderedDict, list, set})
 
