@@ -48,6 +48,39 @@ def test_one_all_reduce_per_gradient_placed_in_backward(fake_pg):
     assert not nodes(gm, ops.is_grad_marker)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_mean_is_taken_after_the_sum_only_where_that_is_bit_identical(world):
+    # a power-of-two world: the sum's wait, then * 1/world just before the optimizer reads the
+    # gradient (the collective then runs on the gradient as the backward made it); any other
+    # world: DDP's own order, * 1/world before the sum
+    from spmd_backend.testing import fake_process_group
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fake_process_group(world_size=world):
+        step = spmd_backend.compile(
+            parallel_mode=spmd_backend.DataParallel(reduce_op="avg"))(sgd_step)
+        step(model, opt, torch.randn(4, 8))
+    gm = step.graph.traced.gm
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mul = torch.ops.aten.mul.Tensor
+    reduces = nodes(gm, ops.is_all_reduce)
+    assert len(reduces) == len(list(model.parameters()))
+    for ar in reduces:
+        (wait,) = ar.users
+        if world == 2:
+            assert ar.args[0].target is not mul, ar.args[0].format_node()
+            (scaled,) = wait.users
+            assert scaled.target is mul and scaled.args == (wait, 0.5)
+            # placed at the first reader, so the wait is free to move that late
+            assert all(order[scaled] < order[u] for u in scaled.users)
+            assert order[scaled] > max(order[m] for m in nodes(gm, lambda n: n.target is torch.ops.aten.mm.default))
+        else:
+            assert ar.args[0].target is mul and ar.args[0].args[1] == 1.0 / 3
+            assert all(u.target is not mul for u in wait.users)
+
+
 def test_graph_is_functional_with_state_written_back_by_copy(fake_pg):
     torch.manual_seed(0)
     model = MLP(8, 16, 2, 4)

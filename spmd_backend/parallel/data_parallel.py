@@ -4,8 +4,10 @@ Requires a graph from :func:`spmd_backend.tracing.trace.trace_train_step` (``gra
 optionally, ``buffer_sync`` markers) and an initialized default process group. Guarantees:
 
 * every ``grad_ready(g, fqn)`` marker is replaced, at the same position (where the gradient
-  became final in the backward), by ``wait_tensor(all_reduce(g, "sum", group))`` (for ``avg``,
-  of ``g * (1 / world)``: DDP's own arithmetic, which scales before it sums); a parameter
+  became final in the backward), by ``wait_tensor(all_reduce(g, "sum", group))``; for ``avg``
+  the mean is DDP's arithmetic bit for bit: ``g * (1 / world)`` before the sum, or, where that
+  is the same number (:func:`scales_after_sum`: a power-of-two world, fp32/fp64/bf16), the sum
+  times ``1 / world`` just before the gradient's first reader; a parameter
   whose gradient is accumulated over several backward calls is reduced once, at its last
   accumulation. Parameters without a gradient get no collective (DDP with
   ``find_unused_parameters`` leaves them untouched as well);
@@ -38,7 +40,7 @@ import torch.fx as fx
 from spmd_backend.errors import SpmdDistributedError, SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.comm import Compression
-from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, owner_of
+from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, inherit, owner_of
 from spmd_backend.graph.utils import fake_mode_of, node_order, propagate_val
 from spmd_backend.parallel.collectives import add_collective, add_compressed_all_reduce
 from spmd_backend.parallel.shard_expansion import expand_shard_markers
@@ -165,6 +167,21 @@ def _expand_marker(graph: fx.Graph, marker: fx.Node, target: object, args: tuple
     return wait
 
 
+#: dtypes whose sum of ``world`` gradients cannot overflow where the sum of their scaled values
+#: would not (fp16's range is small enough that it can: it is always scaled first)
+_POSTSCALE_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16})
+
+
+def scales_after_sum(world: int, dtype: torch.dtype) -> bool:
+    """Whether DDP's mean can be taken after the sum, bit for bit: multiplying by ``1 / world``
+    commutes with rounding when ``world`` is a power of two (outside the subnormal range), so
+    ``sum(g * (1 / world)) == sum(g) * (1 / world)``. After the sum, the multiplication fuses into
+    the gradient's consumer (the optimizer's kernel) and the collective can run in place on the
+    gradient as the backward produced it (no scaled copy, see ``comm_fusion_with_concat``'s
+    ``standalone_mb``)."""
+    return world > 0 and world & (world - 1) == 0 and dtype in _POSTSCALE_DTYPES
+
+
 def _prescale(graph: fx.Graph, marker: fx.Node, world: int) -> None:
     """DDP's mean: the gradient times ``1 / world`` before a sum (DDP multiplies while copying
     into its bucket; bucketing puts this multiplication into the packing kernel)."""
@@ -174,6 +191,23 @@ def _prescale(graph: fx.Graph, marker: fx.Node, world: int) -> None:
     annotate(scaled, fqn=owner_of(str(marker.args[1])), phase=Phase.COMM)
     propagate_val(scaled, fake_mode_of(graph))
     marker.replace_input_with(grad, scaled)
+
+
+def _postscale(graph: fx.Graph, wait: fx.Node, world: int) -> fx.Node:
+    """DDP's mean taken after the sum (only where :func:`scales_after_sum`): ``wait * (1 /
+    world)`` placed just before the reduced gradient's first reader, so that the wait can still
+    move as late as that reader; returns the scaled node, which replaces the wait for every
+    reader."""
+    order = node_order(graph)
+    readers = list(wait.users)
+    first = min(readers, key=order.__getitem__) if readers else wait.next
+    with graph.inserting_before(first):
+        scaled = graph.call_function(torch.ops.aten.mul.Tensor, (wait, 1.0 / world))
+    inherit(scaled, wait)
+    propagate_val(scaled, fake_mode_of(graph))
+    for reader in readers:
+        reader.replace_input_with(wait, scaled)
+    return scaled
 
 
 def _expand_compressed(graph: fx.Graph, marker: fx.Node, compression: Compression,
@@ -260,11 +294,15 @@ def expand_data_parallel(
         if compression is not None:
             wait = _expand_compressed(graph, marker, compression, group_name)
         else:
-            if mode.reduce_op == "avg":
+            val = marker.args[0].meta.get("val")
+            after = isinstance(val, torch.Tensor) and scales_after_sum(world, val.dtype)
+            if mode.reduce_op == "avg" and not after:
                 _prescale(graph, marker, world)
             wait = _expand_marker(
                 graph, marker, c10d.all_reduce.default, ("sum", group_name), "all_reduce"
             )
+            if mode.reduce_op == "avg" and after:
+                wait = _postscale(graph, wait, world)
         if mode.check_finite_grads:
             _insert_finite_check(graph, wait)
     for m in buffer_markers:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from spmd_backend.graph.optim import get_all_fused_optimizer_blocks
 from spmd_backend.graph.optim_surgery import split_optimizer_block
-from spmd_backend.passes.comm_fusion import comm_fusion_with_concat, plan_buckets
+from spmd_backend.passes.comm_fusion import CPU_STANDALONE_MB, comm_fusion_with_concat, plan_buckets
 from spmd_backend.passes.commit_late import commit_writes_late
 from spmd_backend.passes.iter_move import ModuleTarget, iter_move_grads_and_optimizers
 from spmd_backend.passes.remove_copy import remove_copy_from_optimizer
@@ -27,11 +27,13 @@ from spmd_backend.passes.split_optimizer import split_fused_optimizer
 
 
 def default_pipeline(bucket_size_mb: float, *, with_optimizer: bool = True) -> list[object]:
-    """The default optimization passes (for a PassManager): bucketing, wait scheduling and,
+    """The default optimization passes (for a PassManager): bucketing (large CPU gradients
+    reduced alone, in place), wait scheduling and,
     for full-step graphs that hold the optimizer, re-inplacing it and writing inputs back after
     the last collective."""
     passes: list[object] = [
-        (comm_fusion_with_concat, {"bucket_size_mb": bucket_size_mb}),
+        (comm_fusion_with_concat, {"bucket_size_mb": bucket_size_mb,
+                                   "standalone_mb": CPU_STANDALONE_MB}),
         schedule_comm_wait,
     ]
     if with_optimizer:

@@ -29,6 +29,16 @@ later (else its members stay apart, logged). ``shard_buckets`` chooses; by defau
 process group but gloo's buckets them: on gloo one bucketed reduce_scatter + all_gather pair
 measured slower than per-parameter ones (docs/benchmarks.md), while NCCL's per-collective
 latency is what bucketing exists for.
+Large gradients on the CPU stay alone (``standalone_mb``; the default pipeline's is
+:data:`CPU_STANDALONE_MB`): an uncompressed gradient all_reduce of at least that size is left
+as the expansion made it, one collective on the gradient as the backward produced it, which
+Inductor runs in place in the producing kernel's own buffer (a matmul's output), instead of
+copying it into a bucket and back out, memory traffic that competes with the compute for the
+same cores. The price is one more collective's fixed cost (about 1.5 ms per gloo loopback
+all_reduce on 2 cores, the time to copy 4-6 MiB there). For ``avg`` the expansion takes the
+mean after the sum where that is bit-identical (power-of-two worlds), so nothing stands between
+such a gradient and its collective. On accelerators a copy costs far less than a collective's
+launch, so large gradients are bucketed there as before.
 An absent pattern (no unfused gradient collective) is a logged no-op.
 
 ::
@@ -69,6 +79,10 @@ c10d = torch.ops._c10d_functional
 
 #: DDP's first bucket is small so that communication starts early
 FIRST_BUCKET_BYTES = 1024 * 1024
+
+#: CPU gradients at least this large (MiB) are reduced alone, in place (the default pipeline's
+#: ``standalone_mb``; see the module docstring)
+CPU_STANDALONE_MB = 4.0
 
 
 @dataclass(frozen=True)
@@ -140,8 +154,16 @@ def shard_bucketing(group: str, choice: bool | None = None) -> bool:
     return dist.get_backend(pg) != "gloo"
 
 
-def plan_buckets(graph: fx.Graph, bucket_size_mb: float,
-                 shard_buckets: bool | None = None) -> list[Bucket]:
+def standalone(key: tuple, nbytes: int, standalone_mb: float | None) -> bool:
+    """Whether an unfused gradient all_reduce stays alone (see the module docstring): an
+    uncompressed gradient on the CPU of at least ``standalone_mb`` MiB."""
+    kind, _, _, _, _, device, compression = key
+    return (standalone_mb is not None and kind == "all_reduce" and compression is None
+            and device.type == "cpu" and nbytes >= standalone_mb * 1024 * 1024)
+
+
+def plan_buckets(graph: fx.Graph, bucket_size_mb: float, shard_buckets: bool | None = None,
+                 standalone_mb: float | None = None) -> list[Bucket]:
     """The buckets :func:`comm_fusion_with_concat` would build (analysis only)."""
     cap = int(bucket_size_mb * 1024 * 1024)
     open_buckets: dict[tuple, list[CommBlock]] = {}
@@ -150,7 +172,7 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float,
     closed: set[tuple] = set()  # keys whose first (1 MiB) bucket is closed, as in DDP
     for block in get_all_comm_blocks(graph, ops.is_collective):
         keyed = _bucket_key(block)
-        if keyed is None:
+        if keyed is None or standalone(*keyed, standalone_mb):
             continue
         key, nbytes = keyed
         members = open_buckets.setdefault(key, [])
@@ -298,10 +320,17 @@ def _fuse_shard(graph: fx.Graph, bucket: Bucket, fake_mode: object) -> fx.Node |
 
 
 def comm_fusion_with_concat(gm: object, bucket_size_mb: float = 25,
-                            shard_buckets: bool | None = None) -> None:
+                            shard_buckets: bool | None = None,
+                            standalone_mb: float | None = None) -> None:
     """Bucket gradient collectives (see the module docstring)."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
-    buckets = plan_buckets(graph, bucket_size_mb, shard_buckets)
+    buckets = plan_buckets(graph, bucket_size_mb, shard_buckets, standalone_mb)
+    if standalone_mb is not None:
+        alone = sum(1 for b in get_all_comm_blocks(graph) if (k := _bucket_key(b)) is not None
+                    and standalone(*k, standalone_mb))
+        if alone:
+            log.info("comm_fusion_with_concat: %d gradients of >= %s MiB stay alone (reduced in "
+                     "place)", alone, standalone_mb)
     if not buckets:
         log.info("comm_fusion_with_concat: no unfused gradient collective; nothing to do")
         return

@@ -53,6 +53,54 @@ def test_bucket_caps_follow_real_sizes(fake_pg):
     assert plan_sizes[0] >= 1024 * 1024
 
 
+def test_large_cpu_gradients_stay_alone_and_are_reduced_where_they_are_made(fake_pg):
+    big = lambda: Net(dims=(16, 512, 512, 8))  # noqa: E731 - 1 MiB hidden weight
+
+    def transformation(gm):
+        PassManager([(comm_fusion_with_concat, {"bucket_size_mb": 25, "standalone_mb": 1.0})]).run(gm)
+        return gm
+
+    compiled, model, ref = run_pair(transformation, model_factory=big)
+    assert_same_training(model, ref)
+    reduces = [n for n in compiled.compiled.graph.nodes if ops.is_all_reduce(n)]
+    alone = [n for n in reduces if bucket_params(n) == ["layers.1.weight"]]
+    assert len(alone) == 1, [bucket_params(n) for n in reduces]
+    # no packing: the collective reads the gradient itself, no view/cat copy in between
+    grad = alone[0].args[0]
+    assert grad.target is not torch.ops.aten.cat.default
+    assert get_phase(grad) is not Phase.COMM, grad.format_node()
+    # the rest is bucketed as before (one bucket under a 25 MiB cap)
+    rest = [n for n in reduces if n is not alone[0]]
+    assert len(rest) == 1 and len(bucket_params(rest[0])) == 5
+    # planning agrees: with the threshold nothing is left to fuse; without it, the lone
+    # gradient is an unfused collective again
+    graph = compiled.compiled.graph
+    assert plan_buckets(graph, 25, standalone_mb=1.0) == []
+    (again,) = plan_buckets(graph, 25)
+    assert [b.comm_node for b in again.blocks] == alone
+
+
+def test_standalone_threshold_is_inclusive_and_off_by_default(fake_pg):
+    big = lambda: Net(dims=(16, 512, 512, 8))  # noqa: E731
+
+    def transformation(standalone):
+        def run(gm):
+            PassManager([(comm_fusion_with_concat, {"bucket_size_mb": 25,
+                                                    "standalone_mb": standalone})]).run(gm)
+            return gm
+        return run
+
+    counts = {}
+    for standalone in (None, 1.0, 1.01, 0.01):
+        compiled, model, ref = run_pair(transformation(standalone), model_factory=big, steps=2)
+        counts[standalone] = len([n for n in compiled.compiled.graph.nodes if ops.is_all_reduce(n)])
+    # off: the 1 MiB weight closes the first bucket with the last layer's gradients
+    assert counts[None] == 2
+    assert counts[1.0] == 2 and counts[1.01] == counts[None]
+    # every weight (16 KiB and more) stays alone, the three biases share a bucket
+    assert counts[0.01] == 4
+
+
 def test_never_mixes_dtypes(fake_pg):
     mixed = lambda: Net(dims=(16, 32, 8))  # noqa: E731
     def factory():
