@@ -5,7 +5,9 @@ Requires: a graph with ``meta["val"]`` (fake tensors) on every placeholder. Guar
 same nested outputs). The whole graph, collectives included, goes to ``compile_fx`` (which
 re-runs AOTAutograd's functionalization, so in-place optimizer updates and write-backs are fine;
 fused optimizer kernels are first decomposed into per-parameter math Inductor can fuse, see
-:mod:`spmd_backend.lowering.fused_decomp`);
+:mod:`spmd_backend.lowering.fused_decomp`, and other optimizers' 0-dim bias corrections are
+computed once per step rather than inside every parameter's loop (an Inductor post-grad pass in
+:data:`STEP_GRAPH_CONFIG`, see :mod:`spmd_backend.lowering.scalar_chains`);
 functional collectives become Inductor's in-place ``all_reduce_`` + ``wait_tensor`` kept in graph
 order, so a collective issued early and waited late still overlaps the compute between them.
 The graph's order is the plan of the scheduling passes, so every compile of a step graph runs
@@ -31,6 +33,7 @@ import torch.utils._pytree as pytree
 
 from spmd_backend.errors import SpmdError, SpmdGraphError
 from spmd_backend.lowering.fused_decomp import decompose_fused_optimizers
+from spmd_backend.lowering.scalar_chains import SCALAR_CHAIN_PASS
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +87,12 @@ def flat_for_inductor(gm: fx.GraphModule) -> tuple[fx.GraphModule, Any]:
 
 
 #: Inductor settings every compile of a step graph uses, in this process and in the compile
-#: worker alike (the FX-graph cache key includes them, so both must agree)
-STEP_GRAPH_CONFIG: dict[str, Any] = {"reorder_for_peak_memory": False}
+#: worker alike (the FX-graph cache key includes them, so both must agree): the graph's order
+#: kept, and optimizer scalar math computed once per step (lowering/scalar_chains.py)
+STEP_GRAPH_CONFIG: dict[str, Any] = {
+    "reorder_for_peak_memory": False,
+    "post_grad_custom_pre_pass": SCALAR_CHAIN_PASS,
+}
 
 
 def step_graph_config() -> contextlib.AbstractContextManager[None]:
