@@ -193,13 +193,15 @@ def _prescale(graph: fx.Graph, marker: fx.Node, world: int) -> None:
     marker.replace_input_with(grad, scaled)
 
 
-def _postscale(graph: fx.Graph, wait: fx.Node, world: int) -> fx.Node:
+def _postscale(graph: fx.Graph, wait: fx.Node, world: int, order: dict[fx.Node, int]) -> fx.Node:
     """DDP's mean taken after the sum (only where :func:`scales_after_sum`): ``wait * (1 /
     world)`` placed just before the reduced gradient's first reader, so that the wait can still
     move as late as that reader; returns the scaled node, which replaces the wait for every
-    reader."""
-    order = node_order(graph)
+    reader. ``order``: the graph's node order (before this expansion's insertions; the readers
+    are the marker's, which it numbers)."""
     readers = list(wait.users)
+    if any(r not in order for r in readers):
+        order.update(node_order(graph))
     first = min(readers, key=order.__getitem__) if readers else wait.next
     with graph.inserting_before(first):
         scaled = graph.call_function(torch.ops.aten.mul.Tensor, (wait, 1.0 / world))
@@ -290,6 +292,7 @@ def expand_data_parallel(
         m.replace_all_uses_with(m.args[0])
         graph.erase_node(m)
     to_reduce.extend(contributions)
+    order = node_order(graph)
     for marker in to_reduce:
         if compression is not None:
             wait = _expand_compressed(graph, marker, compression, group_name)
@@ -302,7 +305,7 @@ def expand_data_parallel(
                 graph, marker, c10d.all_reduce.default, ("sum", group_name), "all_reduce"
             )
             if mode.reduce_op == "avg" and after:
-                wait = _postscale(graph, wait, world)
+                wait = _postscale(graph, wait, world, order)
         if mode.check_finite_grads:
             _insert_finite_check(graph, wait)
     for m in buffer_markers:
