@@ -51,6 +51,36 @@ def test_parity_avg(rank_pool, model):
     rank_pool.run(check_ddp_parity, ParityCase(model, OptimSpec("adam", "fused"), reduce_op="avg"))
 
 
+def _alone(inductor: bool):
+    """The default passes with every gradient of >= 1 KiB reduced alone (default: 4 MiB)."""
+    import dataclasses
+
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+    from spmd_backend.passes import comm_fusion_with_concat, default_pipeline
+
+    t = GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=inductor)
+    t.config = dataclasses.replace(t.config, passes=(
+        (comm_fusion_with_concat, {"bucket_size_mb": 25, "standalone_mb": 1 / 1024}),
+        *default_pipeline(25)[1:]))
+    return t
+
+
+ALONE = [
+    # the fx graph: the mean after the sum is DDP's number bit for bit (SGD is elementwise)
+    ("hf_gpt2", OptimSpec("sgd", "single", lr=0.05, momentum=0.9), False),
+    # Inductor runs the lone all_reduces in place in the matmuls' output buffers
+    ("mlp", OptimSpec("adam", "fused"), True),
+]
+
+
+@pytest.mark.parametrize("model,optim,inductor", ALONE, ids=["hf_gpt2-sgd-fx", "mlp-adam-inductor"])
+def test_parity_avg_with_gradients_reduced_alone(rank_pool, model, optim, inductor):
+    case = ParityCase(model, optim, steps=4, reduce_op="avg", transformation=_alone(inductor))
+    results = rank_pool.run(check_ddp_parity, case)
+    if not inductor:
+        assert all(r.max_param_diff == 0.0 for r in results), results
+
+
 def test_parity_fails_without_collectives(rank_pool):
     case = ParityCase("mlp", OptimSpec("sgd", "foreach"), transformation=without_gradient_collectives)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
