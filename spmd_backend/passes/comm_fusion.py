@@ -170,9 +170,13 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float, shard_buckets: bool | N
     sizes: dict[tuple, int] = {}
     planned: list[Bucket] = []
     closed: set[tuple] = set()  # keys whose first (1 MiB) bucket is closed, as in DDP
+    alone = 0
     for block in get_all_comm_blocks(graph, ops.is_collective):
         keyed = _bucket_key(block)
-        if keyed is None or standalone(*keyed, standalone_mb):
+        if keyed is not None and standalone(*keyed, standalone_mb):
+            alone += 1
+            continue
+        if keyed is None:
             continue
         key, nbytes = keyed
         members = open_buckets.setdefault(key, [])
@@ -190,6 +194,9 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float, shard_buckets: bool | N
     # a shard collective alone in its bucket is already what fusing it would make
     planned = [b for b in planned if b.kind == "all_reduce" or (
         len(b.blocks) > 1 and shard_bucketing(b.group, shard_buckets))]
+    if alone:
+        log.debug("plan_buckets: %d gradients of >= %s MiB stay alone (reduced in place)",
+                  alone, standalone_mb)
     order = node_order(graph)
     return sorted(planned, key=lambda b: order[b.blocks[-1].comm_node])
 
@@ -325,12 +332,6 @@ def comm_fusion_with_concat(gm: object, bucket_size_mb: float = 25,
     """Bucket gradient collectives (see the module docstring)."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
     buckets = plan_buckets(graph, bucket_size_mb, shard_buckets, standalone_mb)
-    if standalone_mb is not None:
-        alone = sum(1 for b in get_all_comm_blocks(graph) if (k := _bucket_key(b)) is not None
-                    and standalone(*k, standalone_mb))
-        if alone:
-            log.info("comm_fusion_with_concat: %d gradients of >= %s MiB stay alone (reduced in "
-                     "place)", alone, standalone_mb)
     if not buckets:
         log.info("comm_fusion_with_concat: no unfused gradient collective; nothing to do")
         return
