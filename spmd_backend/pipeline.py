@@ -121,6 +121,7 @@ class PipelineConfig:
             check_finite_grads=bool(options.pop("check_finite_grads", False)),
             gradient_compression=options.pop("gradient_compression", None),
             shard_optimizer=options.pop("shard_optimizer", False),
+            reduce_scatter_grads=options.pop("reduce_scatter_grads", None),
         )
         passes = options.pop("passes", None)
         skip = options.pop("skip_passes", ())
@@ -155,7 +156,7 @@ class PipelineConfig:
 #: the keys ``torch.compile(..., backend="spmd", options=...)`` accepts
 OPTION_NAMES: tuple[str, ...] = (
     "reduce_op", "process_group", "broadcast_buffers", "sync_module_states", "check_finite_grads",
-    "gradient_compression", "shard_optimizer", "bucket_size_mb", "passes", "skip_passes", "inductor",
+    "gradient_compression", "shard_optimizer", "reduce_scatter_grads", "bucket_size_mb", "passes", "skip_passes", "inductor",
     "background_compile", "dump_graphs",
 )
 

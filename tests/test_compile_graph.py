@@ -81,6 +81,82 @@ def test_mean_is_taken_after_the_sum_only_where_that_is_bit_identical(world):
             assert all(u.target is not mul for u in wait.users)
 
 
+class _Odd(torch.nn.Module):
+    """A 15-element weight (shards of 8: the last one padded) and a 3-element bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("reduce_scatter_grads", [None, False])
+def test_sharded_gradients_reduce_scattered_or_all_reduced_and_sliced(reduce_scatter_grads):
+    # the fake group runs reduce_scatter natively: the default keeps it; asked not to (gloo's
+    # default), each gradient is all-reduced whole and this rank's slice copied, only the slice
+    # (the short last shard padded, never the whole gradient)
+    from spmd_backend.testing import fake_process_group
+
+    torch.manual_seed(0)
+    model = _Odd()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mode = spmd_backend.DataParallel(reduce_op="avg", shard_optimizer=True,
+                                     reduce_scatter_grads=reduce_scatter_grads)
+    with fake_process_group(world_size=2):  # rank 0
+        step = spmd_backend.compile(parallel_mode=mode)(sgd_step)
+        step(model, opt, torch.randn(4, 5))
+    gm = step.graph.traced.gm
+    scatters = nodes(gm, lambda n: ops.is_call_to(n, c10d.reduce_scatter_tensor.default))
+    reduces = nodes(gm, ops.is_all_reduce)
+    if reduce_scatter_grads is None:
+        assert len(scatters) == 2 and not reduces
+        return
+    assert not scatters and len(reduces) == 2
+    slices = nodes(gm, lambda n: n.target is torch.ops.aten.slice.Tensor and _reads_a_wait(n))
+    # weight: rank 0's 8 of 15; bias: rank 0's 2 of 3; copied, not padded
+    assert sorted(tuple(n.meta["val"].shape) for n in slices) == [(2,), (8,)]
+    assert all([u.target for u in n.users] == [torch.ops.aten.clone.default] for n in slices)
+    with fake_process_group(world_size=2, rank=1):  # the last rank's shards run past the end
+        step1 = spmd_backend.compile(parallel_mode=mode)(sgd_step)
+        twin = copy.deepcopy(model)
+        step1(twin, torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9), torch.randn(4, 5))
+    gm1 = step1.graph.traced.gm
+    pads = [u for n in nodes(gm1, lambda n: n.target is torch.ops.aten.slice.Tensor and _reads_a_wait(n))
+            for u in n.users]
+    assert all(p.target is torch.ops.aten.constant_pad_nd.default for p in pads), pads
+    # weight: elements 8..14 (7) padded to 8; bias: element 2 (1) padded to 2
+    assert sorted((p.args[0].meta["val"].numel(), p.meta["val"].numel()) for p in pads) == [(1, 2), (7, 8)]
+
+
+def _reads_a_wait(node) -> bool:
+    """``node`` reads an all_reduce's wait through views and the mean's scaling."""
+    for _ in range(4):
+        node = node.args[0]
+        if ops.is_wait(node):
+            return ops.is_all_reduce(node.args[0])
+        if node.target not in (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+                               torch.ops.aten.mul.Tensor):
+            return False
+    return False
+
+
+def test_reduce_scatter_is_native_except_on_gloo():
+    from spmd_backend.parallel.data_parallel import reduce_scatter_is_native
+
+    class _Group:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def _get_backend(self, device):
+            return self.backend
+
+    gloo = torch.distributed.ProcessGroupGloo(torch.distributed.HashStore(), 0, 1)
+    assert not reduce_scatter_is_native(_Group(gloo), torch.device("cpu"))
+    assert reduce_scatter_is_native(_Group(object()), torch.device("cpu"))
+
+
 def test_graph_is_functional_with_state_written_back_by_copy(fake_pg):
     torch.manual_seed(0)
     model = MLP(8, 16, 2, 4)

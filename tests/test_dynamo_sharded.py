@@ -55,6 +55,9 @@ CASES = {
     "uneven-adamw-single": lambda: ParityCase(
         _uneven(), OptimSpec("adamw", "single", weight_decay=0.1), steps=4, shard_optimizer=True,
         dynamo_options=SHARD_FX),
+    "uneven-adamw-single-reduce-scatter": lambda: ParityCase(
+        _uneven(), OptimSpec("adamw", "single", weight_decay=0.1), steps=4, shard_optimizer=True,
+        dynamo_options=SHARD_FX, reduce_scatter_grads=True),
     "hf_gpt2-adamw": lambda: ParityCase(  # transformers' GPT-2 (tiny config, random init)
         "hf_gpt2", OptimSpec("adamw", "foreach", lr=1e-3, weight_decay=0.01), steps=3,
         reduce_op="avg", shard_optimizer=True, dynamo_options=SHARD_FX),
@@ -97,7 +100,7 @@ def _slice_locally(rank: int, world: int, case: ParityCase) -> dict:
 
 def test_negative_control_fails(rank_pool) -> None:
     case = ParityCase("mlp", OptimSpec("adam", "foreach"), steps=3, shard_optimizer=True,
-                      dynamo_options=SHARD_FX)
+                      dynamo_options=SHARD_FX, reduce_scatter_grads=True)
     with pytest.raises(Exception, match="not close"):
         rank_pool.run(_slice_locally, case)
 

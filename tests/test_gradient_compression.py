@@ -55,14 +55,16 @@ CASES = {
                                          gradient_compression="fp16"),
     "bf16-dynamo": ParityCase("mlp", SGD, steps=4, reduce_op="avg", gradient_compression="bf16",
                               dynamo_options={"inductor": False}),
-    # sharded optimizer state: each rank's reduce_scatter slice of the compressed sum
+    # sharded optimizer state: each rank's reduce_scatter slice of the compressed sum (or, gloo's
+    # default, its slice of the compressed all_reduce)
     "fp16-avg-sharded-sgd": ParityCase("mlp", SGD, steps=4, reduce_op="avg",
-                                       gradient_compression="fp16", shard_optimizer=True),
+                                       gradient_compression="fp16", shard_optimizer=True,
+                                       reduce_scatter_grads=True),
     "bf16-avg-sharded-torch-encoder": ParityCase("torch_encoder", SGD, steps=3, reduce_op="avg",
                                                  gradient_compression="bf16", shard_optimizer=True),
     "bf16-sum-sharded-adam-shard-buckets": ParityCase(
         "mlp", OptimSpec("adam", "foreach", lr=1e-3), steps=4, gradient_compression="bf16",
-        shard_optimizer=True, transformation=_shard_bucketed),
+        shard_optimizer=True, transformation=_shard_bucketed, reduce_scatter_grads=True),
 }
 
 
@@ -113,7 +115,8 @@ def _graph_job(rank: int, world: int, sharded: bool) -> dict:
 
     @spmd_backend.compile(gm_transformation=_bucketed,
                           parallel_mode=DataParallel(reduce_op="avg", gradient_compression="bf16",
-                                                     shard_optimizer=sharded))
+                                                     shard_optimizer=sharded,
+                                                     reduce_scatter_grads=sharded or None))
     def step(model, opt, x):
         model(x).sum().backward()
         opt.step()
@@ -140,7 +143,8 @@ def test_collectives_run_in_the_compressed_dtype(rank_pool):
 def test_sharded_reduce_scatters_run_in_the_compressed_dtype(rank_pool):
     out = rank_pool.run(_graph_job, True)[0]
     assert out["dtypes"] == ["torch.bfloat16"] and out["ops"] == ["sum"], out
-    # every parameter has >= 2 elements: 4 sharded, one reduce_scatter each on gloo
+    # every parameter has >= 2 elements: 4 sharded, one reduce_scatter each (asked for: gloo's
+    # default all-reduces and slices)
     assert out["count"] == 4 and out["gathered"] == ["torch.float32"], out
 
 

@@ -2,9 +2,10 @@
 
 Parity with DDP (parameters, and the optimizer state through ``state_dict()``, which returns the
 full state on every rank), each rank holding half of the state, uneven and tiny parameters, the
-reduce_scatter path and the all_reduce + slice path (``clip_grad_norm_`` reads the full
-gradient), a state_dict round trip and a resume in new processes, and refusals. The negative
-control replaces the gradient reduce_scatter by a local slice: parity must then fail.
+reduce_scatter path (``reduce_scatter_grads=True``) and the all_reduce + slice path (gloo's
+default, and always when ``clip_grad_norm_`` reads the full gradient), a state_dict round trip
+and a resume in new processes, and refusals. The negative controls replace the gradient
+reduce_scatter, or the all_reduce, by this rank's unreduced gradient: parity must then fail.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import torch
 import torch.nn as nn
 
 from spmd_backend.testing.models import ModelEntry
-from spmd_backend.testing.parity import OptimSpec, ParityCase, check_ddp_parity
+from spmd_backend.testing.parity import (
+    OptimSpec,
+    ParityCase,
+    check_ddp_parity,
+    without_gradient_collectives,
+)
 
 pytestmark = pytest.mark.multirank
 
@@ -65,6 +71,15 @@ CASES = {
     "uneven-adamw-single": ParityCase(
         UNEVEN, OptimSpec("adamw", "single", weight_decay=0.1), steps=4, shard_optimizer=True
     ),
+    # the reduce_scatter path (NCCL's default; gloo all-reduces and slices unless asked)
+    "mlp-sgd-momentum-reduce-scatter": ParityCase(
+        "mlp", OptimSpec("sgd", "single", lr=0.05, momentum=0.9), steps=4, reduce_op="avg",
+        shard_optimizer=True, reduce_scatter_grads=True,
+    ),
+    "uneven-adamw-single-reduce-scatter": ParityCase(
+        UNEVEN, OptimSpec("adamw", "single", weight_decay=0.1), steps=4, shard_optimizer=True,
+        reduce_scatter_grads=True,
+    ),
     "torch_encoder-adamw": ParityCase(
         "torch_encoder", OptimSpec("adamw", "foreach", lr=1e-3, weight_decay=0.01), steps=3,
         reduce_op="avg", shard_optimizer=True,
@@ -75,7 +90,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_parity_with_ddp(rank_pool, name: str) -> None:
     results = rank_pool.run(_parity, CASES[name])
-    if name == "mlp-sgd-momentum":  # elementwise, and halving is exact: bit for bit
+    if name.startswith("mlp-sgd-momentum"):  # elementwise, and halving is exact: bit for bit
         assert all(r["param"] == 0.0 for r in results), results
 
 
@@ -111,10 +126,13 @@ def _local_slice_instead_of_reduce_scatter(gm):
     return gm
 
 
-def test_negative_control_fails(rank_pool) -> None:
+@pytest.mark.parametrize("path", ["reduce_scatter", "all_reduce"])
+def test_negative_control_fails(rank_pool, path: str) -> None:
     case = ParityCase(
         "mlp", OptimSpec("adam", "foreach"), steps=3, shard_optimizer=True,
-        transformation=_local_slice_instead_of_reduce_scatter,
+        reduce_scatter_grads=path == "reduce_scatter",
+        transformation=(_local_slice_instead_of_reduce_scatter if path == "reduce_scatter"
+                        else without_gradient_collectives),
     )
     with pytest.raises(Exception, match="not close"):
         rank_pool.run(_parity, case)
@@ -262,7 +280,8 @@ def test_non_elementwise_optimizer_is_refused_before_anything_changes(fake_pg, m
 
 
 # ----------------------------------------------------------------------------- bucketing
-def _bucketed_job(rank: int, world: int, impl: str, buckets: bool | None) -> dict:
+def _bucketed_job(rank: int, world: int, impl: str, buckets: bool | None,
+                  reduce_scatter: bool | None) -> dict:
     """The default passes bucket the per-parameter reduce_scatters and all_gathers; parity with
     DDP (uneven sizes: a 21-element weight padded to 22, replicated tiny parameters)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -287,7 +306,8 @@ def _bucketed_job(rank: int, world: int, impl: str, buckets: bool | None) -> dic
 
     @spmd_backend.compile(
         gm_transformation=transformation,
-        parallel_mode=spmd_backend.DataParallel(reduce_op="avg", shard_optimizer=True),
+        parallel_mode=spmd_backend.DataParallel(reduce_op="avg", shard_optimizer=True,
+                                                reduce_scatter_grads=reduce_scatter),
     )
     def step(model, opt, x):
         model(x).pow(2).mean().backward()
@@ -312,12 +332,19 @@ def _bucketed_job(rank: int, world: int, impl: str, buckets: bool | None) -> dic
     }
 
 
-@pytest.mark.parametrize("impl, buckets", [("single", True), ("fused", True), ("single", None)])
-def test_shard_collectives_are_bucketed_and_match_ddp(rank_pool, impl: str, buckets) -> None:
-    results = rank_pool.run(_bucketed_job, impl, buckets)
+@pytest.mark.parametrize("impl, buckets, reduce_scatter", [
+    ("single", True, True), ("fused", True, True), ("single", None, True), ("fused", None, None),
+])
+def test_shard_collectives_are_bucketed_and_match_ddp(
+    rank_pool, impl: str, buckets, reduce_scatter
+) -> None:
+    results = rank_pool.run(_bucketed_job, impl, buckets, reduce_scatter)
     for r in results:
         if buckets:  # 6 sharded parameters (each has >= 2 elements): one bucket each way
             assert r["reduce_scatter"] == 1 and r["all_gather"] == 1, r
-        else:  # gloo's default: one pair per parameter
+        elif reduce_scatter:  # gloo's default bucketing: one pair per parameter
             assert r["reduce_scatter"] == 6 and r["all_gather"] == 6, r
+        else:  # gloo's default: all_reduces (bucketed like any), each rank slices its shard
+            assert r["reduce_scatter"] == 0 and r["all_gather"] == 6, r
+            assert 1 <= r["all_reduce"] < 6, r
         assert r["diff"] < 1e-6, r

@@ -25,8 +25,10 @@ Writes JSON and a markdown table. A benchmark, not a test.
 
 Variants: ddp, ddp_compiled (torch.compile of the DDP model), spmd (no transformation),
 spmd_opt (graph optimization), spmd_opt_inductor (graph optimization + Inductor), spmd_shard
-(spmd_opt_inductor with ``DataParallel(shard_optimizer=True)``; spmd_shard_buckets: the same with
-its reduce_scatters and all_gathers bucketed, which is not gloo's default), spmd_dynamo
+(spmd_opt_inductor with ``DataParallel(shard_optimizer=True)``; spmd_shard_rs: the same with
+``reduce_scatter_grads=True``, the reduce_scatter that gloo's default replaces by an all_reduce
+and a slice; spmd_shard_buckets: spmd_shard_rs with its reduce_scatters and all_gathers bucketed,
+which is not gloo's default), spmd_dynamo
 (``torch.compile(step, backend="spmd")``: bucketing, wait scheduling, Inductor; spmd_dynamo_shard:
 the same with ``options={"shard_optimizer": True}``), ddp_bf16 (DDP
 with its ``bf16_compress_hook``) and spmd_bf16 (spmd_opt_inductor with
@@ -55,7 +57,7 @@ from spmd_backend.testing import run_on_ranks  # noqa: E402
 
 ALL_VARIANTS = [
     "ddp", "ddp_compiled", "spmd", "spmd_opt", "spmd_opt_inductor", "spmd_shard", "spmd_dynamo",
-    "ddp_bf16", "spmd_bf16", "spmd_shard_buckets", "spmd_dynamo_shard",
+    "ddp_bf16", "spmd_bf16", "spmd_shard_buckets", "spmd_dynamo_shard", "spmd_shard_rs",
 ]
 #: how the optimizer is spelled on every side: as most users write it, or tuned
 OPTIMIZERS = {"default": {}, "fused": {"fused": True}}
@@ -181,7 +183,7 @@ def _build(variant: str, build, step_fn, device, optim: str = "fused"):
         transformation = GraphModuleTransformation(
             enable_graph_optimization=True,
             enable_inductor=variant in ("spmd_opt_inductor", "spmd_shard", "spmd_bf16",
-                                        "spmd_shard_buckets"),
+                                        "spmd_shard_buckets", "spmd_shard_rs"),
         )
     if variant == "spmd_shard_buckets":
         import dataclasses
@@ -193,7 +195,9 @@ def _build(variant: str, build, step_fn, device, optim: str = "fused"):
     step = spmd_backend.compile(
         gm_transformation=transformation,
         parallel_mode=spmd_backend.DataParallel(
-            reduce_op="avg", shard_optimizer=variant in ("spmd_shard", "spmd_shard_buckets"),
+            reduce_op="avg",
+            shard_optimizer=variant in ("spmd_shard", "spmd_shard_buckets", "spmd_shard_rs"),
+            reduce_scatter_grads=True if variant in ("spmd_shard_buckets", "spmd_shard_rs") else None,
             gradient_compression="bf16" if variant == "spmd_bf16" else None,
         ),
     )(step_fn)

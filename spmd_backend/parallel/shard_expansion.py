@@ -12,9 +12,12 @@ marker of each parameter (not yet expanded). Guarantees:
       after:   t_4 -> view(-1) -> constant_pad_nd -> reduce_scatter_tensor -> wait -> optimizer
 
 * any other ``grad_shard`` (the full gradient is read elsewhere too: ``clip_grad_norm_``, a
-  GradScaler's unscale, a ``.grad`` that outlives the step, a gradient accumulated across calls)
-  becomes a slice of the all-reduced gradient (``view``, ``constant_pad_nd``, ``slice``,
-  ``clone``), so what the step computes never depends on which path was taken;
+  GradScaler's unscale, a ``.grad`` that outlives the step, a gradient accumulated across calls),
+  and every one when the caller does not ``allow_reduce_scatter`` (gloo, where a reduce_scatter
+  costs a full all_reduce and two copies; a finite check), becomes a copy of this rank's slice
+  of the all-reduced gradient (``view``, ``slice``, then ``clone``, or ``constant_pad_nd`` for
+  a last shard that runs past the end), so what the step computes never depends on which path
+  was taken;
 * with ``gradient_compression`` the reduce_scatter is compressed as DDP's hooks compress an
   all_reduce: cast to the low dtype, divide by W for ``avg``, reduce_scatter with ``sum``, cast
   back (each rank receives exactly its slice of what the compressed all_reduce would give);
@@ -66,16 +69,34 @@ def _emit(graph: fx.Graph, target: object, args: tuple, like: fx.Node, phase: Ph
     return node
 
 
+def _flat(graph: fx.Graph, grad: fx.Node, like: fx.Node, phase: Phase) -> fx.Node:
+    val = grad.meta["val"]
+    flatten = aten.view.default if val.is_contiguous() else aten.reshape.default
+    return _emit(graph, flatten, (grad, [-1]), like, phase)
+
+
 def _flat_padded(
     graph: fx.Graph, grad: fx.Node, world: int, chunk: int, like: fx.Node, phase: Phase
 ) -> fx.Node:
-    val = grad.meta["val"]
-    numel = val.numel()
-    flatten = aten.view.default if val.is_contiguous() else aten.reshape.default
-    flat = _emit(graph, flatten, (grad, [-1]), like, phase)
+    flat = _flat(graph, grad, like, phase)
+    numel = grad.meta["val"].numel()
     if chunk * world == numel:
         return flat
     return _emit(graph, aten.constant_pad_nd.default, (flat, [0, chunk * world - numel], 0.0), like, phase)
+
+
+def _slice(graph: fx.Graph, grad: fx.Node, rank: int, chunk: int, like: fx.Node) -> fx.Node:
+    """This rank's ``chunk`` elements of ``grad`` flattened, a new tensor: a copy of the slice,
+    zero-padded where the last shards run past the end (only the slice is copied, never the
+    whole padded gradient)."""
+    numel = grad.meta["val"].numel()
+    start, stop = min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+    piece = _emit(graph, aten.slice.Tensor, (_flat(graph, grad, like, Phase.OPTIMIZER), 0, start, stop),
+                  like, Phase.OPTIMIZER)
+    if stop - start == chunk:
+        return _emit(graph, aten.clone.default, (piece,), like, Phase.OPTIMIZER)
+    return _emit(graph, aten.constant_pad_nd.default, (piece, [0, chunk - (stop - start)], 0.0),
+                 like, Phase.OPTIMIZER)
 
 
 def _reduce_scatter(graph: fx.Graph, ready: fx.Node, marker: fx.Node, reduce_op: str,
@@ -135,10 +156,7 @@ def expand_shard_markers(
             graph.erase_node(marker)
             consumed.add(ready)
             continue
-        padded = _flat_padded(graph, grad, world, chunk, marker, Phase.OPTIMIZER)
-        piece = _emit(graph, aten.slice.Tensor, (padded, 0, rank * chunk, (rank + 1) * chunk),
-                      marker, Phase.OPTIMIZER)
-        copy = _emit(graph, aten.clone.default, (piece,), marker, Phase.OPTIMIZER)
+        copy = _slice(graph, grad, rank, chunk, marker)
         marker.replace_all_uses_with(copy)
         graph.erase_node(marker)
         sliced += 1

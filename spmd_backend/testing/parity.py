@@ -111,6 +111,9 @@ class ParityCase:
     #: ``"bf16"``/``"fp16"``: ``DataParallel(gradient_compression=...)`` against DDP with the
     #: same compression hook registered
     gradient_compression: str | None = None
+    #: ``DataParallel(reduce_scatter_grads=...)`` (with ``shard_optimizer``; None: by backend,
+    #: which on gloo all-reduces and slices)
+    reduce_scatter_grads: bool | None = None
 
     def label(self) -> str:
         t = getattr(self.transformation, "__name__", None) or (
@@ -122,6 +125,7 @@ class ParityCase:
         door = "/dynamo" if self.dynamo_options is not None else ""
         door += "/sharded" if self.shard_optimizer else ""
         door += f"/{self.gradient_compression}" if self.gradient_compression else ""
+        door += {True: "/reduce_scatter", False: "/all_reduce", None: ""}[self.reduce_scatter_grads]
         return f"{model}/{self.optim.label()}/{self.reduce_op}{door}" + (f"/{t}" if t else "")
 
 
@@ -251,6 +255,7 @@ def _compiled_step(case: ParityCase, train_step: Callable[..., Any]) -> Callable
             parallel_mode=DataParallel(
                 reduce_op=case.reduce_op, shard_optimizer=case.shard_optimizer,
                 gradient_compression=case.gradient_compression,
+                reduce_scatter_grads=case.reduce_scatter_grads,
             ),
         )(train_step)
     torch._dynamo.reset()
@@ -260,6 +265,8 @@ def _compiled_step(case: ParityCase, train_step: Callable[..., Any]) -> Callable
     options = {**case.dynamo_options, "reduce_op": case.reduce_op}
     if case.gradient_compression is not None:
         options["gradient_compression"] = case.gradient_compression
+    if case.reduce_scatter_grads is not None:
+        options["reduce_scatter_grads"] = case.reduce_scatter_grads
     return torch.compile(train_step, backend="spmd", options=options)
 
 

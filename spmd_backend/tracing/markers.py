@@ -56,8 +56,11 @@ def shard_numel(numel: int, world: int) -> int:
 def local_shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """``rank``'s slice of ``t`` flattened and zero-padded to a multiple of ``world`` (a copy)."""
     chunk = shard_numel(t.numel(), world)
-    flat = torch.nn.functional.pad(t.reshape(-1), (0, chunk * world - t.numel()))
-    return flat[rank * chunk : (rank + 1) * chunk].clone()
+    start, stop = min(rank * chunk, t.numel()), min((rank + 1) * chunk, t.numel())
+    piece = t.reshape(-1)[start:stop]  # only the slice is copied, never the padded whole
+    if stop - start == chunk:
+        return piece.clone()
+    return torch.nn.functional.pad(piece, (0, chunk - (stop - start)))
 
 
 def _grad_shard(grad: torch.Tensor, fqn: str, rank: int, world: int) -> torch.Tensor:
