@@ -67,3 +67,42 @@ def test_view_ops_have_no_in_place_variant():
     assert inplace_variant(aten.t.default) is None
     assert inplace_variant(aten.add.Tensor) is aten.add_.Tensor
     assert inplace_variant(aten.mul.Tensor) is aten.mul_.Tensor
+
+
+@pytest.mark.parametrize("optim_kw", [{"fused": True}, {"foreach": False}])
+def test_update_feeding_a_collective_stays_functional(optim_kw):
+    # sharded optimizer state: the update produces the shards the all_gathers send, so in place
+    # it would write the state before their waits (and the runtime would snapshot all of it
+    # every call); it stays functional and its write-backs go below the last collective
+    import spmd_backend
+    from spmd_backend.graph.commit import inputs_at_risk
+    from spmd_backend.passes import commit_writes_late
+    from spmd_backend.testing import fake_process_group
+    from spmd_backend.testing.models import MLP
+    from spmd_backend.testing.steps import train_step
+
+    seen = {}
+
+    def passes(gm):
+        PassManager([remove_copy_from_optimizer, commit_writes_late]).run(gm)
+        seen["graph"] = gm.graph
+        return gm
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, **optim_kw)
+    with fake_process_group(world_size=2):
+        step = spmd_backend.compile(
+            gm_transformation=passes,
+            parallel_mode=spmd_backend.DataParallel(reduce_op="avg", shard_optimizer=True),
+        )(train_step)
+        for _ in range(2):
+            step(model, opt, torch.randn(4, 8))
+    graph = seen["graph"]
+    assert not [n for n in graph.nodes if n.target is aten._fused_adam_.tensor_lr]
+    risk = inputs_at_risk(graph)  # nothing the step writes is written before a collective
+    assert risk.positions == (), risk.names
+    last_wait = max(i for i, n in enumerate(graph.nodes) if ops.is_wait(n))
+    write_backs = [i for i, n in enumerate(graph.nodes)
+                   if ops.is_copy_(n) and n.args[0].op == "placeholder"]
+    assert write_backs and min(write_backs) > last_wait
