@@ -348,3 +348,19 @@ def test_shard_collectives_are_bucketed_and_match_ddp(
             assert r["reduce_scatter"] == 0 and r["all_gather"] == 6, r
             assert 1 <= r["all_reduce"] < 6, r
         assert r["diff"] < 1e-6, r
+
+
+def test_reduce_scatter_grads_is_validated() -> None:
+    from spmd_backend import DataParallel
+    from spmd_backend.errors import SpmdUsageError
+
+    with pytest.raises(SpmdUsageError, match="reduce_scatter_grads='yes'"):
+        DataParallel(shard_optimizer=True, reduce_scatter_grads="yes")
+    with pytest.raises(SpmdUsageError, match="needs shard_optimizer=True"):
+        DataParallel(reduce_scatter_grads=False)
+    with pytest.raises(SpmdUsageError, match="finite check reads every full reduced gradient"):
+        DataParallel(shard_optimizer=True, reduce_scatter_grads=True, check_finite_grads=True)
+    assert DataParallel(shard_optimizer=True, reduce_scatter_grads=False).reduce_scatters(
+        torch.device("cpu")) is False
+    assert DataParallel(shard_optimizer=True, check_finite_grads=True).reduce_scatters(
+        torch.device("cpu")) is False

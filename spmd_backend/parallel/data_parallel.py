@@ -103,6 +103,17 @@ class DataParallel:
                 f"DataParallel(reduce_scatter_grads={self.reduce_scatter_grads!r}): expected "
                 "None (by process group), True or False"
             )
+        if self.reduce_scatter_grads is not None and not self.shard_optimizer:
+            raise SpmdUsageError(
+                f"DataParallel(reduce_scatter_grads={self.reduce_scatter_grads!r}) chooses how "
+                "sharded optimizer state gets its gradient shards; it needs shard_optimizer=True"
+            )
+        if self.reduce_scatter_grads and self.check_finite_grads:
+            raise SpmdUsageError(
+                "DataParallel(reduce_scatter_grads=True, check_finite_grads=True): the finite "
+                "check reads every full reduced gradient, which only the all_reduce path has; "
+                "leave reduce_scatter_grads=None"
+            )
         if self.reduce_op not in _REDUCE_OPS:
             raise SpmdUsageError(
                 f"DataParallel(reduce_op={self.reduce_op!r}): expected one of {_REDUCE_OPS}"
@@ -124,7 +135,8 @@ class DataParallel:
 
     def reduce_scatters(self, device: torch.device) -> bool:
         """Whether a sharded gradient of ``device`` is reduce_scattered (else all-reduced and
-        sliced); see ``reduce_scatter_grads``. A finite check needs every full gradient."""
+        sliced); see ``reduce_scatter_grads``. A finite check needs every full gradient (and
+        refuses ``reduce_scatter_grads=True``)."""
         if self.check_finite_grads:
             return False
         if self.reduce_scatter_grads is not None:
