@@ -196,3 +196,43 @@ def test_flat_output_copy_shares_constants_instead_of_copying_them():
     assert flat.graph is not gm.graph
     assert isinstance(list(gm.graph.nodes)[-1].args[0], dict)  # the original keeps its outputs
     assert torch.utils._pytree.tree_unflatten(["out"], spec) == {"y": "out"}
+
+
+def test_a_user_post_grad_pass_still_runs_and_compiles_in_this_process(fake_pg):
+    """A ``post_grad_custom_pre_pass`` the user set runs with ours (not replaced by it), and the
+    background lowering compiles in this process, since a worker would not receive it."""
+    import uuid
+
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from spmd_backend.lowering.background import BackgroundLowered, lower_in_background
+
+    class Recorder(CustomGraphPass):
+        def __init__(self) -> None:
+            self.calls = 0
+            self.key = uuid.uuid4().bytes  # never an FX-graph cache hit, which would skip passes
+
+        def __call__(self, graph) -> None:
+            self.calls += 1
+
+        def uuid(self) -> bytes:
+            return self.key
+
+    recorder, lowered = Recorder(), []
+
+    def transform(gm):
+        lowered.append(lower_in_background(gm))
+        return lowered[-1]
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=True)
+    codes = []
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=recorder):
+        step = spmd_backend.compile(gm_transformation=transform)(step_fn)
+        for _ in range(2):
+            codes += run_and_get_code(step, model, opt, torch.randn(4, 8))[1]
+        assert torch._inductor.config.post_grad_custom_pre_pass is recorder  # left as it was
+    assert recorder.calls >= 1
+    assert lowered and not any(isinstance(m, BackgroundLowered) for m in lowered)
+    assert any("spmd_backend.materialize" in c for c in codes)  # ours ran too

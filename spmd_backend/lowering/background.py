@@ -4,6 +4,10 @@ Requires: a graph as :func:`~spmd_backend.lowering.inductor.lower_to_inductor` t
 Inductor FX-graph cache (``torch._inductor.config.fx_graph_cache``, on by default) that this
 process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
 
+- Without the FX-graph cache, or with graph passes set in ``torch._inductor.config`` (which a
+  worker cannot receive: ``save_config()`` leaves them out), :func:`lower_in_background`
+  compiles in this process, as :func:`~spmd_backend.lowering.inductor.lower_to_inductor` does,
+  and logs why (both are process-wide settings a training script sets alike on every rank).
 - :func:`lower_in_background` returns at once a :class:`BackgroundLowered` module, called exactly
   like the graph (it only records the configuration in force). Its first call runs the fx graph;
   its second makes the copy Inductor compiles and starts a worker process
@@ -74,6 +78,7 @@ from spmd_backend.lowering.inductor import (
     example_inputs,
     flat_for_inductor,
     lower_to_inductor,
+    user_passes,
 )
 
 log = logging.getLogger(__name__)
@@ -375,6 +380,11 @@ def lower_in_background(gm: fx.GraphModule) -> nn.Module:
     """Lower ``gm`` with Inductor in a background process; see the module docstring."""
     if not torch._inductor.config.fx_graph_cache:
         log.info("background compile needs Inductor's FX graph cache; compiling now")
+        return lower_to_inductor(gm)
+    theirs = user_passes()
+    if theirs:  # not in save_config(): a worker would compile without them
+        log.info("background compile cannot hand torch._inductor.config's %s to a worker; "
+                 "compiling now", ", ".join(theirs))
         return lower_to_inductor(gm)
     return BackgroundLowered(gm, capture_settings())
 

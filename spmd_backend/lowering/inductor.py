@@ -16,7 +16,10 @@ know that a wait blocks, and on the seed MLP it moved the first bucket's wait an
 update in front of the rest of the backward (123.5 -> 109.9 ms per step without it, fused Adam,
 2 gloo ranks; docs/benchmarks.md).
 If Inductor cannot compile the graph the graph itself is returned, with a warning that says why
-(partial lowering: correctness first).
+(partial lowering: correctness first). Graph passes the user set in ``torch._inductor.config``
+still run: a ``post_grad_custom_pre_pass`` before ours (:func:`step_graph_config`), the others
+as Inductor runs them; a background compile, whose worker cannot receive them, compiles in this
+process instead (:func:`user_passes`).
 """
 
 from __future__ import annotations
@@ -95,11 +98,37 @@ STEP_GRAPH_CONFIG: dict[str, Any] = {
 }
 
 
-def step_graph_config() -> contextlib.AbstractContextManager[None]:
-    """Inductor's configuration patched with :data:`STEP_GRAPH_CONFIG`."""
+#: Inductor options that hold graph passes; they are not part of ``save_config()``, so a
+#: compile worker never receives them (see :func:`user_passes`)
+PASS_OPTIONS: tuple[str, ...] = (
+    "pre_grad_custom_pass", "joint_custom_pre_pass", "joint_custom_post_pass",
+    "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
+)
+
+
+def _theirs(value: Any) -> tuple[Any, ...]:
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+    return tuple(p for p in get_custom_graph_passes(value) if p is not SCALAR_CHAIN_PASS)
+
+
+def user_passes() -> list[str]:
+    """The :data:`PASS_OPTIONS` that hold a pass set by the user (ours excluded)."""
     import torch._inductor.config
 
-    return torch._inductor.config.patch(STEP_GRAPH_CONFIG)
+    return [name for name in PASS_OPTIONS if _theirs(getattr(torch._inductor.config, name))]
+
+
+def step_graph_config() -> contextlib.AbstractContextManager[None]:
+    """Inductor's configuration patched with :data:`STEP_GRAPH_CONFIG`. A
+    ``post_grad_custom_pre_pass`` the user set keeps running, before ours (Inductor takes a
+    tuple of passes; a pass that is not a ``CustomGraphPass`` with a ``uuid`` makes Inductor
+    bypass its FX-graph cache, as it would without us)."""
+    import torch._inductor.config
+
+    theirs = _theirs(torch._inductor.config.post_grad_custom_pre_pass)
+    ours = SCALAR_CHAIN_PASS if not theirs else (*theirs, SCALAR_CHAIN_PASS)
+    return torch._inductor.config.patch({**STEP_GRAPH_CONFIG, "post_grad_custom_pre_pass": ours})
 
 
 def compile_flat(flat_gm: fx.GraphModule, spec: Any, source: fx.GraphModule,
@@ -161,7 +190,8 @@ def lower_to_inductor(gm: fx.GraphModule) -> nn.Module:
 
 
 __all__ = [
-    "CacheMiss", "InductorModule", "cache_only", "compile_flat", "example_inputs",
-    "flat_for_inductor", "lower_to_inductor", "STEP_GRAPH_CONFIG", "step_graph_config",
+    "CacheMiss", "InductorModule", "PASS_OPTIONS", "cache_only", "compile_flat",
+    "example_inputs", "flat_for_inductor", "lower_to_inductor", "STEP_GRAPH_CONFIG",
+    "step_graph_config", "user_passes",
 ]
 
