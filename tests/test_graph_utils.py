@@ -107,3 +107,29 @@ def test_predicates_match_targets_not_names():
     assert not ops.is_all_reduce(impostor)
     assert not ops.is_fused_optimizer(ar)
     assert ops.has_side_effect(ar) and ops.has_side_effect(w) and not ops.has_side_effect(impostor)
+
+
+def test_aliasing_follows_views_and_collectives_read_until_their_wait():
+    import operator
+
+    from spmd_backend.graph.aliasing import alias_root, read_end, readers, written
+    from spmd_backend.graph.utils import node_order
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = fx.Graph()
+    x = g.placeholder("x")
+    flat = g.call_function(aten.view.default, (x, [-1]))
+    parts = g.call_function(aten.split_with_sizes.default, (flat, [2, 2]))
+    second = g.call_function(operator.getitem, (parts, 1))
+    own = g.call_function(aten.mul.Tensor, (x, 2))  # a new tensor, not an alias
+    gather = g.call_function(c10d.all_gather_into_tensor.default, (second, 2, "0"))
+    bump = g.call_function(aten.add_.Tensor, (own, 1))
+    wait = g.call_function(c10d.wait_tensor.default, (gather,))
+    g.output([wait, bump])
+
+    assert alias_root(second) is x and alias_root(flat) is x and alias_root(own) is own
+    assert set(readers(x)) == {own, gather}  # through the view and the split, views excluded
+    assert written(bump) == [own] and written(gather) == []
+    order = node_order(g)
+    assert read_end(gather, order) == order[wait] > order[bump]
+    assert read_end(own, order) == order[own]

@@ -228,6 +228,37 @@ def test_verification_catches_missing_wait_val_and_annotation():
         PassManager([declare_pass(add_valless, name="pm_valless")]).run(_comm_graph())
 
 
+def test_verification_catches_a_write_to_what_a_collective_still_sends():
+    """A write between a collective and its wait races with the process group reading the
+    input (gloo sends from its own thread); through a view of the input too. After the wait it
+    is fine."""
+
+    def write_before_wait(view: bool):
+        def run(gm):
+            ra = next(n for n in gm.graph.nodes if ops.is_all_reduce(n))
+            src = ra.args[0]
+            with gm.graph.inserting_after(ra):
+                n = gm.graph.call_function(aten.add_.Tensor, (src, 1))
+                if view:
+                    v = gm.graph.call_function(aten.view.default, (src, [-1]))
+                    n.update_arg(0, v)
+                    v.meta.update(src.meta)
+            n.meta.update(src.meta)
+        return run
+
+    for view in (False, True):
+        with pytest.raises(SpmdGraphError, match="add__tensor writes .* which collective all_reduce_default still reads"):
+            PassManager([declare_pass(write_before_wait(view), name=f"pm_race_{view}")]).run(_comm_graph())
+
+    def write_after_wait(gm):
+        wa = next(n for n in gm.graph.nodes if ops.is_wait(n))
+        with gm.graph.inserting_after(wa):
+            n = gm.graph.call_function(aten.add_.Tensor, (wa.args[0].args[0], 1))
+        n.meta.update(wa.meta)
+
+    PassManager([declare_pass(write_after_wait, name="pm_no_race")]).run(_comm_graph())
+
+
 def test_manager_runs_on_an_iter_graph_module():
     def neg_out(gm):
         g = gm.graph

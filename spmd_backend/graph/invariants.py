@@ -8,6 +8,9 @@ The invariants:
 
 * ``graph.lint()`` passes;
 * every collective is consumed by exactly one ``wait_tensor`` and nothing else;
+* nothing writes a tensor (or a view of its storage) that a collective still reads: from the
+  collective to its wait (:mod:`spmd_backend.graph.aliasing`; the process group reads it
+  asynchronously, so a write there races with the send);
 * collectives that existed before a pass keep their relative order per process group
   (:func:`collective_order`), unless the pass declared ``reorders_collectives``;
 * every placeholder and call node that returns something has ``meta["val"]`` (a fake value);
@@ -24,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from spmd_backend.errors import SpmdGraphError
-from spmd_backend.graph import ops
+from spmd_backend.graph import aliasing, ops
 from spmd_backend.graph.meta import annotated
 
 
@@ -78,6 +82,32 @@ def _check_waits(node: fx.Node, where: str) -> None:
         )
 
 
+def _check_in_flight_writes(graph: fx.Graph, where: str) -> None:
+    """Raise when a node writes storage an issued, not yet waited, collective reads."""
+    in_flight: dict[fx.Node, tuple[fx.Node, set[fx.Node]]] = {}  # root -> (collective, waits)
+    for node in graph.nodes:
+        if ops.is_wait(node) and in_flight:
+            for root in [r for r, (_, waits) in in_flight.items() if node in waits]:
+                waits = in_flight[root][1]
+                waits.discard(node)
+                if not waits:
+                    del in_flight[root]
+        if in_flight:
+            for target in aliasing.written(node):
+                hit = in_flight.get(aliasing.alias_root(target))
+                if hit is not None:
+                    raise SpmdGraphError(
+                        f"{where}: {node.name} writes {target.name}, which collective "
+                        f"{hit[0].name} still reads (until {sorted(w.name for w in hit[1])}); "
+                        "a write before the wait races with the send"
+                    )
+        if ops.is_collective(node):
+            waits = set(aliasing.waits_of(node))
+            for arg in pytree.tree_leaves(node.args):
+                if isinstance(arg, fx.Node) and waits:
+                    in_flight[aliasing.alias_root(arg)] = (node, set(waits))
+
+
 def _check_order(graph: fx.Graph, before: Mapping[str, Sequence[fx.Node]], where: str) -> None:
     after = collective_order(graph)
     for group, old in before.items():
@@ -121,5 +151,6 @@ def verify_graph(
             raise SpmdGraphError(
                 f"{where}: node {node.name} has no phase annotation (spmd_backend.graph.meta)"
             )
+    _check_in_flight_writes(graph, where)
     if before is not None and not may_reorder:
         _check_order(graph, before, where)

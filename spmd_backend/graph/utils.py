@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from spmd_backend.errors import SpmdGraphError, SpmdUsageError
+from spmd_backend.graph.aliasing import written
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +71,7 @@ def viewed_placeholder(node: object) -> fx.Node | None:
 def mutated_placeholders(node: fx.Node) -> list[fx.Node]:
     """Placeholders ``node`` writes in place (``copy_`` destinations, mutable schema args),
     directly or through a view."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return []
-    out: list[fx.Node] = []
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        for leaf in pytree.tree_leaves(value):
-            base = viewed_placeholder(leaf)
-            if base is not None:
-                out.append(base)
-    return out
+    return [base for base in map(viewed_placeholder, written(node)) if base is not None]
 
 
 def is_leaf_subgraph(graph: fx.Graph, subgraph: Sequence[fx.Node]) -> bool:

@@ -5,7 +5,10 @@ parameter/state placeholders by ``copy_`` nodes at the end). Guarantees: every o
 functional op (``_fused_adam``, ``_foreach_*``, single-tensor ``add``/``mul``/...) that has an
 in-place variant is replaced by it, mutating its first argument(s) directly, when that is safe:
 
-* each element it would mutate is read by nothing after it (except write-back copies),
+* each element it would mutate is read by nothing after it (except write-back copies), through
+  any view of its storage, nor by a collective still in flight (issued before it, waited after
+  it: ASGD's averaging once subtracted in place from the parameter shard its all_gather was
+  still sending),
 * an element that is a graph input (placeholder) still has a write-back copy pending after it
   (which will store the input's final value), and
 * each functional result has exactly the shape, dtype and strides of the element that would
@@ -42,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from spmd_backend.graph import ops
+from spmd_backend.graph.aliasing import alias_root, read_end, readers
 from spmd_backend.graph.commit import is_fallible
 from spmd_backend.graph.meta import Phase, get_phase, inherit
 from spmd_backend.graph.utils import node_order
@@ -128,7 +132,9 @@ def _safe(
     """Whether mutating each element in place at ``node`` keeps the graph's meaning, and its
     failure behaviour.
 
-    An element's old value must be read by nothing after ``node``. A graph input may be
+    An element's old value must be read by nothing after ``node``, through any view of its
+    storage, and by no collective issued before ``node`` and waited after it (the process
+    group reads its input until the wait: :mod:`spmd_backend.graph.aliasing`). A graph input may be
     clobbered only while a write-back ``copy_`` into it is still pending after ``node`` (that
     copy writes its final value); once an earlier rewrite made it hold its final value, it must
     not be touched again; and not by an op in ``feeds_fallible`` (whose results an op that can
@@ -144,11 +150,14 @@ def _safe(
             return False
         if elem.op == "placeholder" and node in feeds_fallible:
             return False
+        root = alias_root(elem)
+        if root is not elem and root.op in ("placeholder", "get_attr"):
+            return False  # a view of a graph input: the write would reach the input itself
         pending_write_back = False
-        for user in elem.users:
-            if user is node or order[user] < pos:
+        for reader in readers(root):
+            if reader is node or read_end(reader, order) < pos:
                 continue
-            if ops.is_copy_(user) and user.args[0] is elem:
+            if ops.is_copy_(reader) and reader.args[0] is elem and order[reader] > pos:
                 pending_write_back = True
                 continue
             return False

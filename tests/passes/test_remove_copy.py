@@ -106,3 +106,53 @@ def test_update_feeding_a_collective_stays_functional(optim_kw):
     write_backs = [i for i, n in enumerate(graph.nodes)
                    if ops.is_copy_(n) and n.args[0].op == "placeholder"]
     assert write_backs and min(write_backs) > last_wait
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_no_in_place_write_to_a_shard_an_all_gather_still_sends(foreach):
+    # ASGD's averaging reads the updated parameter shard after its all_gather is issued
+    # (ax += (p - ax) * mu): made in place, ``sub`` wrote into the shard while gloo was still
+    # sending it, and the Dynamo door's fx graph trained wrong (2 ranks, 0.35 after two steps)
+    import spmd_backend
+    from spmd_backend.graph.aliasing import alias_root, waits_of
+    from spmd_backend.passes import comm_fusion_with_concat, commit_writes_late, schedule_comm_wait
+    from spmd_backend.testing import fake_process_group
+    from spmd_backend.testing.models import MLP
+    from spmd_backend.testing.steps import train_step
+
+    seen = {}
+
+    def passes(gm):
+        # gloo's all_gathers stay per parameter (shard_buckets False): each sends its shard itself
+        PassManager([(comm_fusion_with_concat, {"shard_buckets": False}), schedule_comm_wait,
+                     remove_copy_from_optimizer, commit_writes_late]).run(gm)
+        seen["graph"] = gm.graph
+        return gm
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.ASGD(model.parameters(), lr=0.01, t0=1.0, foreach=foreach)
+    with fake_process_group(world_size=2):
+        step = spmd_backend.compile(
+            gm_transformation=passes,
+            parallel_mode=spmd_backend.DataParallel(reduce_op="avg", shard_optimizer=True),
+        )(train_step)
+        for _ in range(2):  # the first call creates the state, untransformed
+            step(model, opt, torch.randn(4, 8))
+    nodes = list(seen["graph"].nodes)
+    gathers = [n for n in nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    assert gathers
+    inplace = 0
+    for g in gathers:
+        start, end = nodes.index(g), nodes.index(waits_of(g)[0])
+        sent = alias_root(g.args[0])
+        between = nodes[start + 1:end]
+        assert not [n for n in between if n.target is aten.copy_.default and alias_root(n.args[0]) is sent]
+        for n in between:
+            schema = getattr(n.target, "_schema", None)
+            if schema is not None and schema.arguments and schema.arguments[0].alias_info is not None \
+                    and schema.arguments[0].alias_info.is_write:
+                inplace += 1
+                first = n.args[0] if isinstance(n.args[0], torch.fx.Node) else None
+                assert first is None or alias_root(first) is not sent, n.format_node()
+    assert inplace  # the rest of the update is still in place between issue and wait
