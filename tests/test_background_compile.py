@@ -189,6 +189,37 @@ def test_portable_copy_keeps_read_attributes_and_inlines_empty_constants():
     assert handover.portable_copy(copy) is None
 
 
+def test_the_payload_graph_is_the_graph_node_for_node():
+    """What the worker compiles is the graph itself. ``pickle.dumps(gm)`` re-traces the code:
+    AdamW's weight-decay factor ``1 - lr * wd``, traced as in-place ops on fresh scalars
+    (``one = scalar_tensor(1); f = scalar_tensor(-wd); f.mul_(lr); one.add_(f)``), ran at
+    pickling time on the constants alone, so the worker's code decayed every parameter by
+    ``1 - wd`` whatever the learning rate (0.0035 off DDP per step on the MLP)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd_backend.graph import serialize
+
+    def decay(p, lr):
+        one = torch.scalar_tensor(1.0, dtype=torch.float64)
+        factor = torch.scalar_tensor(-0.01, dtype=torch.float64)
+        factor.mul_(lr)
+        one.add_(factor)
+        return p * one.to(torch.float32)
+
+    p, lr = torch.randn(5), torch.tensor(0.5, dtype=torch.float64)
+    gm = make_fx(decay)(p, lr)
+    made = handover.make_payload(gm, [p, lr], handover.capture_settings())
+    assert made is not None
+    back = serialize.load(made.graph)
+    assert [(n.op, n.target) for n in back.graph.nodes] == [(n.op, n.target) for n in gm.graph.nodes]
+    assert not list(back.graph.find_nodes(op="get_attr"))
+    torch.testing.assert_close(back(p, lr), p * (1 - 0.01 * 0.5), rtol=0, atol=0)
+    # memory formats and layouts travel by name (the worker has no user script to find them in)
+    back2 = serialize.load(serialize.dump(make_fx(lambda x: torch.empty_like(
+        x, memory_format=torch.preserve_format, layout=torch.strided))(p)))
+    assert torch.preserve_format in list(back2.graph.nodes)[1].kwargs.values()
+
+
 def test_falls_back_to_a_blocking_compile_without_the_fx_graph_cache():
     # (the config's own patch: monkeypatch's undo deletes a config entry)
     with torch._inductor.config.patch(fx_graph_cache=False):
@@ -425,4 +456,49 @@ def test_a_payload_missing_on_one_rank_compiles_every_rank_now(rank_pool):
     for r in results:
         assert r["states"] == ["compiled"] and r["switched"] == [1], r
         assert r["replicas_equal"]
+        assert r["ddp_diff"] < 1e-5, r
+
+
+def _dynamo_adamw_scheduled(rank: int, world: int) -> dict:
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_backend.testing.models import MLP
+    from spmd_backend.testing.steps import train_step
+
+    warm_switch, background.WARM_SWITCH = background.WARM_SWITCH, False
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MLP(8, 16, 2, 4)
+        ref = copy.deepcopy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, foreach=False)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1, foreach=False)
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.9 ** i) for o in (opt, ref_opt)]
+        ddp = DDP(ref)
+        step = torch.compile(train_step, backend="spmd", options={"background_compile": True})
+        gen = torch.Generator().manual_seed(rank)
+        before = set(background._LIVE)
+        for i in range(6):
+            batch = torch.randn(8, 8, generator=gen)
+            step(model, opt, batch)
+            train_step(ddp, ref_opt, batch)
+            for s in scheds:
+                s.step()
+            if i == 2:  # the LR changed after call 1: the graph of calls 2+ has started its worker
+                wait_for_background(timeout=600)
+        switched = [m.switched_at_call for m in background._LIVE if m not in before and m.calls]
+        diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        return {"switched": switched, "ddp_diff": diff}
+    finally:
+        background.WARM_SWITCH = warm_switch
+
+
+@pytest.mark.multirank
+def test_the_dynamo_door_after_the_switch_trains_like_ddp_with_a_scheduler(rank_pool):
+    # the Dynamo door traces AdamW's weight decay as in-place ops on fresh scalars; the worker
+    # once received a re-traced copy that decayed by 1 - wd instead of 1 - lr * wd
+    for r in rank_pool.run(_dynamo_adamw_scheduled):
+        assert any(s is not None for s in r["switched"]), r  # Inductor's code ran
         assert r["ddp_diff"] < 1e-5, r

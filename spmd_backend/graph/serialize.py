@@ -51,6 +51,10 @@ def _higher_order(name: str) -> Any:
     return getattr(torch.ops.higher_order, name)
 
 
+def _torch_global(name: str) -> Any:
+    return getattr(torch, name)
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, buffer: io.BytesIO, positions: dict[fx.Node, int]) -> None:
         super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
@@ -66,6 +70,10 @@ class _Pickler(pickle.Pickler):
             return _packet, (namespace, name)
         if isinstance(obj, torch._ops.HigherOrderOperator):
             return _higher_order, (obj.name(),)
+        if isinstance(obj, (torch.memory_format, torch.layout)):
+            # by name: pickle would name the first module it finds them through (the user's
+            # script, a worker's own module), which the reading process may not have
+            return _torch_global, (str(obj).removeprefix("torch."),)
         if isinstance(obj, torch._subclasses.fake_tensor.FakeTensor):
             raise SpmdSerializationError("a fake tensor cannot be written")
         return NotImplemented

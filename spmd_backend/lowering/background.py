@@ -11,8 +11,8 @@ process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
 - :func:`lower_in_background` returns at once a :class:`BackgroundLowered` module, called exactly
   like the graph (it only records the configuration in force). Its first call runs the fx graph;
   its second makes the copy Inductor compiles and starts a worker process
-  (``python -m spmd_backend.lowering.compile_worker``) that compiles the same graph (a pickled
-  copy, the same Inductor and AOTAutograd configuration, fake inputs, a fake process group under
+  (``python -m spmd_backend.lowering.compile_worker``) that compiles the same graph (a
+  serialized copy, node for node, the same Inductor and AOTAutograd configuration, fake inputs, a fake process group under
   each collective's group name) and so fills the cache. A graph called once (a setup graph)
   never pays for the copy or a worker.
 - One worker per host and graph: on that second call the ranks of the graph's group exchange
@@ -43,7 +43,7 @@ hand its result over: the cache switched off (at once), or on the second call, o
 when it is so on any (the ranks decide it together in the same exchange): an input that is not
 a plain tensor or number, inputs that share storage, a fake tensor constant with elements
 (constants without elements, such as an empty key/value cache, become ``empty_strided`` calls),
-a graph that cannot be pickled.
+a graph that cannot be serialized.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from spmd_backend.graph import serialize
 from spmd_backend.lowering.compile_worker import fake_inputs
 from spmd_backend.lowering.handover import Settings, capture_settings, group_names, make_payload
 from spmd_backend.lowering.inductor import (
@@ -111,11 +112,10 @@ class BackgroundLowered(nn.Module):
         self.graph = gm.graph
         self._settings = settings
         self._grad_enabled: bool = settings.process_state["grad_enabled"]
-        # made on the second call (a graph called once never pays for them): the pickled copy
-        # this process compiles at the switch (unpickled then: a pickle round trip renames
-        # nodes the way the worker's unpickling does, and a copy unpickled inside a Dynamo
-        # compile has its attributes in another order, so AOTAutograd's and Inductor's cache
-        # keys are the worker's only this way), the input descriptions, the output spec
+        # made on the second call (a graph called once never pays for them): the serialized
+        # copy this process compiles at the switch (loaded then, from the bytes the worker
+        # loads, so AOTAutograd's and Inductor's cache keys are the worker's), the input
+        # descriptions, the output spec
         self._flat: bytes | None = None
         self._specs: list[Any] = []
         self._spec: Any = None
@@ -152,13 +152,13 @@ class BackgroundLowered(nn.Module):
         return made.key
 
     def _compile_copy(self) -> None:
-        """Compile the pickled flat copy here, as the worker does: unpickled now, on fresh fake
+        """Compile the serialized flat copy here, as the worker does: loaded now, on fresh fake
         tensors from the same descriptions, in :meth:`_compile_context` (so the cache keys are
         the worker's)."""
         assert self._flat is not None
         with self._compile_context():
             inputs = fake_inputs(self._specs)
-            flat = pickle.loads(self._flat)  # noqa: S301 - our own bytes
+            flat = serialize.load(self._flat)
             self._compiled = compile_flat(flat, self._spec, self.source, inputs)
 
     def _compile_cached(self) -> bool:

@@ -1,7 +1,7 @@
 """The background compile worker: ``python -m spmd_backend.lowering.compile_worker PAYLOAD``.
 
-Requires: a payload written by :mod:`spmd_backend.lowering.background` (a pickled flat step
-graph, descriptions of its inputs, the rank and size of each process group its collectives
+Requires: a payload written by :mod:`spmd_backend.lowering.background` (a flat step graph
+serialized by :mod:`spmd_backend.graph.serialize`, descriptions of its inputs, the rank and size of each process group its collectives
 name, the parent's Inductor and AOTAutograd configuration and the process-wide settings
 Inductor's cache key reads: threads, grad mode, deterministic algorithms, default dtype, matmul
 precision) and the parent's ``TORCHINDUCTOR_CACHE_DIR``. Guarantees: compiles the graph with Inductor exactly as the parent
@@ -100,6 +100,7 @@ def main(path: str) -> int:
     from torch._inductor.compile_fx import compile_fx
 
     import spmd_backend.lowering.fused_decomp  # noqa: F401 - registers the graph's custom ops
+    from spmd_backend.graph import serialize
     from spmd_backend.lowering.handover import stable_cache_keys
     from spmd_backend.lowering.inductor import step_graph_config
 
@@ -113,7 +114,7 @@ def main(path: str) -> int:
     _register_groups(payload["groups"])
 
     with step_graph_config():  # as the training process compiles
-        compile_fx(pickle.loads(payload["gm"]), fake_inputs(payload["inputs"]))  # noqa: S301
+        compile_fx(serialize.load(payload["gm"]), fake_inputs(payload["inputs"]))
     return 0
 
 

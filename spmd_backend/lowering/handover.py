@@ -3,7 +3,10 @@
 Requires: a flat step graph as :func:`~spmd_backend.lowering.inductor.flat_for_inductor` makes
 it, with fake example inputs, and the :class:`Settings` captured where the graph was lowered.
 Guarantees: :func:`make_payload` returns the pickled payload
-:mod:`spmd_backend.lowering.compile_worker` reads (the graph pickled on its own, with only the
+:mod:`spmd_backend.lowering.compile_worker` reads (the graph serialized on its own by
+:mod:`spmd_backend.graph.serialize`, node for node: never ``pickle.dumps(gm)``, which re-traces
+the code and ran an AdamW's in-place weight-decay factor ``1 - lr * wd`` on constants at
+pickling time, so the worker's code decayed by ``1 - wd``; with only the
 attributes it reads; descriptions of its inputs; the rank and size of each process group its
 collectives name; the Inductor and AOTAutograd configuration; the process-wide settings
 Inductor's cache key reads) and a key that is equal on ranks whose workers would compile the
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from spmd_backend.graph import serialize
 from spmd_backend.lowering.compile_worker import tensor_spec
 
 log = logging.getLogger(__name__)
@@ -140,7 +144,7 @@ class Payload:
     """What :func:`make_payload` made: the worker's file contents, the key of what it compiles
     (the same on ranks whose worker would compile the same graph the same way: the ranks' own
     places in their groups and CUDA devices left out, Inductor's code does not depend on them),
-    and the pickled graph and input descriptions the training process compiles at the switch."""
+    and the serialized graph and input descriptions the training process compiles at the switch."""
 
     data: bytes
     key: str
@@ -162,7 +166,7 @@ def make_payload(flat: fx.GraphModule, vals: list[Any], settings: Settings) -> P
     configs = {"inductor_config": settings.inductor_config,
                "functorch_config": settings.functorch_config}
     try:
-        graph = pickle.dumps(gm)
+        graph = serialize.dump(gm)
         shared = pickle.dumps({
             "inputs": specs, "group_sizes": {k: v[1] for k, v in groups.items()}, **configs,
             "process_state": {k: v for k, v in state.items() if k != "cuda_device"},
@@ -171,7 +175,7 @@ def make_payload(flat: fx.GraphModule, vals: list[Any], settings: Settings) -> P
             "gm": graph, "inputs": specs, "groups": groups, "process_state": state, **configs,
         })
     except Exception as e:  # noqa: BLE001 - an unpicklable graph compiles in the foreground
-        log.info("background compile: the graph cannot be pickled (%s)", e)
+        log.info("background compile: the graph cannot be serialized (%s)", e)
         return None
     return Payload(payload, hashlib.sha256(graph + shared).hexdigest(), graph, specs)
 
