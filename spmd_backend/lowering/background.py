@@ -199,6 +199,7 @@ class BackgroundLowered(nn.Module):
             return
         if leader is not None:
             self._shared_done, self._payload = leader, b""  # no worker of its own
+            self._started = time.perf_counter()  # the switch's log counts from here
             log.info("the step graph is compiled in the background by another rank on this "
                      "host (the same graph and cache); this rank loads its result")
             return
