@@ -195,7 +195,6 @@ def test_the_payload_graph_is_the_graph_node_for_node():
     (``one = scalar_tensor(1); f = scalar_tensor(-wd); f.mul_(lr); one.add_(f)``), ran at
     pickling time on the constants alone, so the worker's code decayed every parameter by
     ``1 - wd`` whatever the learning rate (0.0035 off DDP per step on the MLP)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     from spmd_backend.graph import serialize
 

@@ -174,7 +174,7 @@ def make_payload(flat: fx.GraphModule, vals: list[Any], settings: Settings) -> P
         payload = pickle.dumps({
             "gm": graph, "inputs": specs, "groups": groups, "process_state": state, **configs,
         })
-    except Exception as e:  # noqa: BLE001 - an unpicklable graph compiles in the foreground
+    except Exception as e:  # noqa: BLE001 - a graph that cannot travel compiles in the foreground
         log.info("background compile: the graph cannot be serialized (%s)", e)
         return None
     return Payload(payload, hashlib.sha256(graph + shared).hexdigest(), graph, specs)
