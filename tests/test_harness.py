@@ -33,6 +33,48 @@ def _sleep(rank: int, world_size: int, seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _crash_on_rank_one(rank: int, world_size: int) -> None:
+    import os
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # a native crash, as heap corruption ends
+    time.sleep(30)
+
+
+def _unmatched_collective_on_rank_zero(rank: int, world_size: int) -> int:
+    import torch.distributed as dist
+
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    if rank == 0:  # a collective the other rank never joins: the group is out of step
+        torch.ops._c10d_functional.all_reduce.default(t, "sum", dist.group.WORLD.group_name)
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_shows_its_last_output():
+    pool = RankPool(2, timeout=60, failure_grace=2)
+    try:
+        with pytest.raises(Exception, match="rank 1 exited with code -11") as info:
+            pool.run(_crash_on_rank_one, timeout=60)
+        assert "Fatal Python error: Segmentation fault" in str(info.value)  # faulthandler
+        assert "_crash_on_rank_one" in str(info.value)  # where it was
+    finally:
+        pool.close(kill=True)
+
+
+def test_a_job_that_leaves_the_ranks_out_of_step_retires_the_pool():
+    pool = RankPool(2, timeout=60)
+    try:
+        assert pool.run(_rank_and_sum, 0) == [(0, 1.0), (1, 1.0)]
+        assert pool.alive and not pool.retired
+        assert pool.run(_unmatched_collective_on_rank_zero) == [0, 1]  # the job itself passed
+        assert not pool.alive
+        assert "collectives issued per rank" in pool.retired and "not waited [1, 0]" in pool.retired
+    finally:
+        pool.close(kill=True)
+
+
 def test_run_on_ranks_returns_per_rank_results():
     assert run_on_ranks(_rank_and_sum, 10, world_size=2) == [(0, 21.0), (1, 21.0)]
 

@@ -14,9 +14,11 @@ attached as a note. Functions and arguments must be picklable (module-level func
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import queue
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -26,6 +28,8 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from spmd_backend.errors import SpmdError
+
+log = logging.getLogger(__name__)
 
 _LOOPBACK = "127.0.0.1"
 
@@ -46,6 +50,8 @@ class _Outcome:
     error: bytes | None = None
     text: str = ""
     secondary: bool = False  # failed only because another rank failed or the process died
+    in_flight: int = 0  # functional collectives issued by the job and never waited
+    collectives: int = -1  # collectives issued on the default group so far (-1: unknown)
 
 
 def _init_pg(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> None:
@@ -64,6 +70,53 @@ def _init_pg(rank: int, world_size: int, port: int, backend: str, timeout_s: flo
         backend, store=store, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def _log_to(path: str) -> None:
+    """Send this process's native output (fd 1 and 2: glibc's and gloo's abort messages, C++
+    warnings) to ``path``, and Python's stacks there on a fatal signal (faulthandler), so that
+    the parent can show why a rank died instead of only its exit code."""
+    import faulthandler
+    import sys
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream, target in ((sys.stdout, 1), (sys.stderr, 2)):
+        stream.flush()
+        os.dup2(fd, target)
+    os.close(fd)
+    faulthandler.enable(all_threads=True)
+
+
+def _in_flight() -> int:
+    """Functional collectives this process issued and has not waited (torch's work registry)."""
+    try:
+        from torch._C._distributed_c10d import _get_work_registry_size
+    except ImportError:  # pragma: no cover - torch without the registry
+        return 0
+    return int(_get_work_registry_size())
+
+
+def _issued() -> int:
+    """How many collectives this rank has issued on the default process group (its sequence
+    number; -1 when the group does not count them or is gone)."""
+    import torch.distributed as dist
+
+    try:
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - no default group, or a backend without sequence numbers
+        return -1
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    """The last ``lines`` lines of a rank's output file (empty when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def _pack_error(rank: int, exc: BaseException) -> _Outcome:
@@ -85,8 +138,10 @@ def _worker(
     jobs: Any,
     results: Any,
     env: dict[str, str],
+    log_path: str,
 ) -> None:
     os.environ.update(env)
+    _log_to(log_path)
     try:
         _init_pg(rank, world_size, port, backend, timeout_s)
     except BaseException as e:  # noqa: BLE001
@@ -104,9 +159,11 @@ def _worker(
                 pickle.dumps(value)
             except Exception:  # noqa: BLE001
                 value = repr(value)
-            results.put(_Outcome(rank=rank, ok=True, value=value))
+            outcome = _Outcome(rank=rank, ok=True, value=value)
         except BaseException as e:  # noqa: BLE001
-            results.put(_pack_error(rank, e))
+            outcome = _pack_error(rank, e)
+        outcome.in_flight, outcome.collectives = _in_flight(), _issued()
+        results.put(outcome)
     try:
         import torch.distributed as dist
 
@@ -161,13 +218,14 @@ class RankPool:
             timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
         )
         port = self._store.port
+        self._logs = tempfile.mkdtemp(prefix="spmd_ranks_")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(
                 target=_worker,
                 args=(r, world_size, port, backend, max(timeout, 60.0), self._jobs[r],
-                      self._results, dict(env or {})),
+                      self._results, dict(env or {}), self.log_path(r)),
                 daemon=True,
             )
             for r in range(world_size)
@@ -175,6 +233,7 @@ class RankPool:
         for p in self._procs:
             p.start()
         self.alive = True
+        self.retired = ""  # why the pool closed itself after a job that passed
         _raise_failures(self._collect(timeout=max(timeout, 120.0), what="start-up"))
 
     def _collect(self, timeout: float, what: str) -> list[_Outcome]:
@@ -206,14 +265,36 @@ class RankPool:
                     for r in dead:
                         outcomes[r] = _Outcome(
                             rank=r, ok=False,
-                            text=f"rank {r} exited with code {self._procs[r].exitcode}",
+                            text=f"rank {r} exited with code {self._procs[r].exitcode}; the "
+                                 f"end of its output ({self.log_path(r)}):\n"
+                                 f"{_tail(self.log_path(r))}",
                         )
+                    # the others may be waiting for the dead rank: a grace period, as on failure
+                    deadline = min(deadline, time.monotonic() + self.failure_grace)
                 continue
             outcomes[o.rank] = o
             if not o.ok:
                 # give the other ranks a short grace period to fail (or finish) too
                 deadline = min(deadline, time.monotonic() + self.failure_grace)
         return [outcomes[r] for r in range(self.world_size)]
+
+    def _retire_if_out_of_step(self, name: str, outcomes: Sequence[_Outcome]) -> None:
+        """Close the pool when a job that passed left its ranks out of step: a different number
+        of collectives issued on each rank (a fault test where one rank raised before a
+        collective), or collectives never waited. gloo matches collectives by their order, so
+        the next job's would pair with the wrong ones (sizes that differ: a rank aborts or
+        crashes later, far from the cause)."""
+        counts = [o.collectives for o in outcomes]
+        in_flight = [o.in_flight for o in outcomes]
+        if len(set(counts)) > 1 or any(in_flight):  # (-1 on a rank: its group is gone)
+            self.retired = (f"{name} left the ranks out of step (collectives issued per rank "
+                            f"{counts}, not waited {in_flight}); the pool is closed")
+            log.info(self.retired)
+            self.close(kill=True)
+
+    def log_path(self, rank: int) -> str:
+        """Where rank ``rank`` writes its native output (and faulthandler's stacks)."""
+        return os.path.join(self._logs, f"rank{rank}.log")
 
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
@@ -222,10 +303,13 @@ class RankPool:
             raise RankFailure("this RankPool was closed (after a timeout?); create a new one")
         for q in self._jobs:
             q.put((fn, args, kwargs))
-        outcomes = self._collect(timeout or self.timeout, getattr(fn, "__name__", "job"))
+        name = getattr(fn, "__name__", "job")
+        outcomes = self._collect(timeout or self.timeout, name)
         if any(not o.ok for o in outcomes):
             # a failed rank may leave the process group unusable: do not reuse this pool
             self.close(kill=True)
+        else:
+            self._retire_if_out_of_step(name, outcomes)
         _raise_failures(outcomes)
         return [o.value for o in outcomes]
 
