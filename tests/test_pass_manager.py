@@ -12,6 +12,8 @@ import torch.fx as fx
 from spmd_backend import PassManager
 from spmd_backend.errors import SpmdGraphError, SpmdPassError
 from spmd_backend.graph import ops
+from spmd_backend.graph.invariants import verify_graph
+from spmd_backend.graph.meta import annotate
 from spmd_backend.graph_optimization import _optimized_func, graph_optimization_pass
 from spmd_backend.iter_graph_module import IterGraphModule
 from spmd_backend.pass_manager import declare_pass
@@ -282,3 +284,32 @@ def test_undeclared_functions_do_not_leak_into_the_registry():
 
     PassManager([pm_private_pass]).run(_toy_gm())
     assert "pm_private_pass" not in _REGISTRY
+
+
+def _fused_adam_graph(state_shape: tuple[int, ...], grad_transposed: bool = False) -> fx.Graph:
+    """make_fx of torch's fused Adam kernel on a (3, 4) parameter, with the given state shape."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(p, g, m, v, s):
+        grad = g.t() if grad_transposed else g
+        torch._fused_adam_([p], [grad], [m], [v], [], [s], lr=0.1, beta1=0.9, beta2=0.99,
+                           weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        return p
+
+    g = torch.randn(4, 3) if grad_transposed else torch.randn(3, 4)
+    gm = make_fx(step, tracing_mode="fake")(
+        torch.randn(3, 4), g, torch.zeros(state_shape), torch.zeros(state_shape), torch.tensor(1.0))
+    for n in gm.graph.nodes:
+        annotate(n, fqn=None, phase="optimizer")
+    return gm.graph
+
+
+def test_verification_catches_a_fused_optimizer_state_that_does_not_match_its_parameter():
+    """torch's CPU fused kernels size every list by the parameter and check nothing (a shorter
+    state is written out of bounds: heap corruption, a crash later and elsewhere), and read
+    every tensor as contiguous (a transposed gradient is read wrong)."""
+    verify_graph(_fused_adam_graph((3, 4)))  # matching: fine
+    with pytest.raises(SpmdGraphError, match=r"_fused_adam_ .* shape \(3, 4\) with .* shape \(6,\)"):
+        verify_graph(_fused_adam_graph((6,)))
+    with pytest.raises(SpmdGraphError, match=r"strides \(1, 3\).*read every tensor as contiguous"):
+        verify_graph(_fused_adam_graph((3, 4), grad_transposed=True))

@@ -13,6 +13,12 @@ The invariants:
   asynchronously, so a write there races with the send);
 * collectives that existed before a pass keep their relative order per process group
   (:func:`collective_order`), unless the pass declared ``reorders_collectives``;
+* a fused optimizer kernel (``_fused_adam(w)``, ``_fused_sgd``, ``_fused_adagrad``, functional or
+  in place) gets, in every tensor list, either nothing or one tensor per parameter with that
+  parameter's shape (step counts: one element), all contiguous: torch's CPU kernels size every
+  list by the parameter and read memory in order, checking neither, so a shorter state or
+  gradient is read and written out of bounds (heap corruption, a crash later and elsewhere)
+  and a transposed one is read wrong;
 * every placeholder and call node that returns something has ``meta["val"]`` (a fake value);
 * every node carries a phase annotation (:mod:`spmd_backend.graph.meta`).
 
@@ -108,6 +114,49 @@ def _check_in_flight_writes(graph: fx.Graph, where: str) -> None:
                     in_flight[aliasing.alias_root(arg)] = (node, set(waits))
 
 
+def _fused_kernel(node: fx.Node) -> bool:
+    return ops.is_fused_optimizer(node) or (
+        node.op == "call_function" and node.target in ops.FUSED_INPLACE_TO_FUNCTIONAL)
+
+
+def _check_fused_shapes(node: fx.Node, where: str) -> None:
+    """Raise when a fused optimizer kernel's lists do not match its parameters (when the nodes
+    carry fake values; graphs without them are not checked)."""
+    lists = [a for a in node.args if isinstance(a, (list, tuple))]
+    if not lists:
+        return
+    params = [getattr(p, "meta", {}).get("val") for p in lists[0]]
+    if not all(isinstance(v, torch.Tensor) for v in params):
+        return
+    for index, items in enumerate(lists):
+        for t in items:
+            v = getattr(t, "meta", {}).get("val")
+            if isinstance(v, torch.Tensor) and not v.is_contiguous():
+                raise SpmdGraphError(
+                    f"{where}: {node.name} ({ops.op_name(node)}) gets {t.name} of shape "
+                    f"{tuple(v.shape)} with strides {tuple(v.stride())} (list argument {index}); "
+                    "torch's fused kernels read every tensor as contiguous")
+    for index, items in enumerate(lists[1:], start=1):
+        if not items:
+            continue
+        vals = [getattr(t, "meta", {}).get("val") for t in items]
+        if not all(isinstance(v, torch.Tensor) for v in vals):
+            continue
+        if len(vals) != len(params):
+            raise SpmdGraphError(
+                f"{where}: {node.name} ({ops.op_name(node)}) has {len(params)} parameters but "
+                f"{len(vals)} tensors in its list argument {index}")
+        for p, t, v, pv in zip(lists[0], items, vals, params):
+            if v.numel() == 1 and v.dim() <= 1 and pv.numel() != 1:  # a step count
+                continue
+            if tuple(v.shape) != tuple(pv.shape):
+                raise SpmdGraphError(
+                    f"{where}: {node.name} ({ops.op_name(node)}) updates {p.name} of shape "
+                    f"{tuple(pv.shape)} with {t.name} of shape {tuple(v.shape)} (list argument "
+                    f"{index}); torch's fused kernels do not check sizes and would read and "
+                    "write out of bounds")
+
+
 def _check_order(graph: fx.Graph, before: Mapping[str, Sequence[fx.Node]], where: str) -> None:
     after = collective_order(graph)
     for group, old in before.items():
@@ -145,6 +194,8 @@ def verify_graph(
     for node in graph.nodes:
         if ops.is_collective(node):
             _check_waits(node, where)
+        elif _fused_kernel(node):
+            _check_fused_shapes(node, where)
         if require_vals and not has_val(node):
             raise SpmdGraphError(f"{where}: node {node.name} has no meta['val']")
         if require_annotations and not annotated(node):
