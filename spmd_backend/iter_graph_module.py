@@ -72,9 +72,13 @@ class IterGraphModule(nn.Module):
         enable_inductor: bool = False,
         *,
         lower: Lowering | None = None,
+        legalize: Callable[[fx.Graph], object] | None = None,
     ) -> None:
         super().__init__()
         self._source = main_gm
+        #: applied to each derived graph before it becomes a module (what the process group
+        #: backend needs of the graph, :mod:`spmd_backend.parallel.gloo_all_gather`)
+        self.legalize = legalize
         self._graph = IterGraph.adopt(main_gm.graph)
         self.max_iters = max_iters
         self.lower = _resolve_lowering(enable_inductor, lower)
@@ -110,11 +114,19 @@ class IterGraphModule(nn.Module):
             return {"main": self._graph}
         return {k: self._finalized[k] for k in _STEP_KINDS}
 
+    def run_graphs(self) -> list[fx.Graph]:
+        """The graphs of the modules built so far, as they run (legalized; for a lowered one,
+        the graph Inductor was given)."""
+        graphs = [getattr(module, "graph", None) for module in self._modules_by_kind.values()]
+        return [g for g in graphs if isinstance(g, fx.Graph)]
+
     def source_module(self) -> fx.GraphModule:
         """The module this one was built from; its graph is :attr:`graph` (the edited one)."""
         return self._source
 
     def _gm_from(self, graph: fx.Graph) -> fx.GraphModule:
+        if self.legalize is not None:
+            self.legalize(graph)
         graph._codegen = fx.graph.CodeGen()
         return make_graph_module(self._source, graph)
 

@@ -43,6 +43,7 @@ from spmd_backend.graph.utils import dump_graphs_to_files
 from spmd_backend.iter_graph_module import IterGraphModule
 from spmd_backend.lowering import lower_in_background, lower_to_inductor
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport, expand_data_parallel
+from spmd_backend.parallel.gloo_all_gather import serialize_all_gathers
 from spmd_backend.parallel.state_sync import sync_module_states
 from spmd_backend.pass_manager import PassManager, PassRecord, pass_spec_of
 from spmd_backend.passes import default_pipeline
@@ -191,7 +192,7 @@ def transform(
     prefix = f"{tag}." if tag else ""
     if folder:
         dump_graphs_to_files({f"{prefix}traced": gm.graph}, folder)
-    igm = IterGraphModule(gm, lower=config.lowering())
+    igm = IterGraphModule(gm, lower=config.lowering(), legalize=serialize_all_gathers)
     records: list[PassRecord] = []
     if config.optimize:
         manager = PassManager(config.pass_list(with_optimizer), skip=config.skip_passes,

@@ -286,6 +286,7 @@ def _bucketed_job(rank: int, world: int, impl: str, buckets: bool | None,
     import spmd_backend
     from spmd_backend.gm_transformation import GraphModuleTransformation
     from spmd_backend.graph import ops
+    from spmd_backend.parallel.gloo_all_gather import max_all_gathers_in_flight
     from spmd_backend.passes import comm_fusion_with_concat, default_pipeline
 
     torch.manual_seed(0)
@@ -323,6 +324,8 @@ def _bucketed_job(rank: int, world: int, impl: str, buckets: bool | None,
     c10d = torch.ops._c10d_functional
     return {
         "diff": diff,
+        "gathers_in_flight": max(max_all_gathers_in_flight(g)
+                                 for g in step.graph.runner.run_graphs()),
         "reduce_scatter": sum(ops.is_call_to(n, c10d.reduce_scatter_tensor.default) for n in graph.nodes),
         "all_gather": sum(ops.is_call_to(n, c10d.all_gather_into_tensor.default) for n in graph.nodes),
         "all_reduce": sum(ops.is_all_reduce(n) for n in graph.nodes),
@@ -342,6 +345,9 @@ def test_shard_collectives_are_bucketed_and_match_ddp(
         else:  # gloo's default: all_reduces (bucketed like any), each rank slices its shard
             assert r["reduce_scatter"] == 0 and r["all_gather"] == 6, r
             assert 1 <= r["all_reduce"] < 6, r
+        # torch 2.13's gloo corrupts the heap with two all_gathers in flight: one at a time in
+        # every graph that ran (spmd_backend/parallel/gloo_all_gather.py)
+        assert r["gathers_in_flight"] == 1, r
         assert r["diff"] < 1e-6, r
 
 

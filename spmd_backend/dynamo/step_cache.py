@@ -58,6 +58,7 @@ from spmd_backend.graph import serialize
 from spmd_backend.iter_graph_module import IterGraphModule
 from spmd_backend.lowering.compile_worker import fake_tensor, tensor_spec
 from spmd_backend.lowering.handover import stable_cache_keys
+from spmd_backend.parallel.gloo_all_gather import serialize_all_gathers
 from spmd_backend.pass_manager import DUMP_ENV, env_skips, pass_spec_of
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.runtime import GuardedStep
@@ -305,7 +306,7 @@ class StepOutputCode(OutputCode):
         for node, spec in zip(nodes, self._specs):
             if spec is not None:
                 node.meta["val"] = _value(spec, fake_mode)
-        module = IterGraphModule(gm, lower=self.lower)
+        module = IterGraphModule(gm, lower=self.lower, legalize=serialize_all_gathers)
         with _as_outside():
             module.finalize_setup()
         self.module = module
