@@ -62,3 +62,45 @@ def test_another_group_is_left_alone(fake_pg):
     gm = make_fx(_three_gathers(fake_pg.group_name))(torch.randn(3), torch.randn(5), torch.randn(2))
     assert serialize_all_gathers(gm.graph, affected=lambda g, d: g == "not-this-one") == 0
     assert max_all_gathers_in_flight(gm.graph) == 3
+
+
+def _gathers_then_waits_after_one_update(group: str):
+    """Like the sharded step: one elementwise update makes every shard, then the gathers."""
+
+    def step(a, b, c):
+        shards = torch._foreach_mul([a, b, c], 0.5)
+        outs = [c10d.all_gather_into_tensor.default(s, 2, group) for s in shards]
+        return [c10d.wait_tensor.default(o).cos() for o in outs]
+
+    return step
+
+
+def _collective_calls(code: str) -> list[str]:
+    import re
+
+    calls = []
+    for line in code.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        m = re.search(r"_c10d_functional\.(all_gather_into_tensor|wait_tensor)\.default\(", line)
+        if m:
+            calls.append(m.group(1))
+    return calls
+
+
+def test_inductor_keeps_the_waits_between_the_gathers(fake_pg):
+    """Inductor's reorder_for_locality moved a wait past the next all_gather (gather, gather,
+    wait in its code); the lowering turns it off for graphs kept one gather at a time."""
+    from torch._inductor.utils import run_and_get_code
+
+    from spmd_backend.lowering.inductor import lower_to_inductor
+
+    args = (torch.randn(64), torch.randn(32), torch.randn(16))
+    gm = make_fx(_gathers_then_waits_after_one_update(fake_pg.group_name), tracing_mode="fake")(*args)
+    assert serialize_all_gathers(gm.graph, affected=lambda g, d: True) == 2
+    gm.recompile()
+    module, codes = run_and_get_code(lower_to_inductor, gm)
+    calls = _collective_calls("\n".join(codes))
+    assert calls == ["all_gather_into_tensor", "wait_tensor"] * 3, calls
+    outs = module(*args)
+    torch.testing.assert_close(outs[0], (torch.cat([args[0], args[0]]) * 0.5).cos())

@@ -113,8 +113,9 @@ def main(path: str) -> int:
     _apply_process_state(payload["process_state"])
     _register_groups(payload["groups"])
 
-    with step_graph_config():  # as the training process compiles
-        compile_fx(serialize.load(payload["gm"]), fake_inputs(payload["inputs"]))
+    gm = serialize.load(payload["gm"])
+    with step_graph_config(gm.graph):  # as the training process compiles
+        compile_fx(gm, fake_inputs(payload["inputs"]))
     return 0
 
 

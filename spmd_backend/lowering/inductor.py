@@ -14,7 +14,9 @@ The graph's order is the plan of the scheduling passes, so every compile of a st
 under :func:`step_graph_config`, which turns off Inductor's peak-memory reordering: it does not
 know that a wait blocks, and on the seed MLP it moved the first bucket's wait and optimizer
 update in front of the rest of the backward (123.5 -> 109.9 ms per step without it, fused Adam,
-2 gloo ranks; docs/benchmarks.md).
+2 gloo ranks; docs/benchmarks.md). For a graph whose all_gathers are kept one at a time (gloo,
+:mod:`spmd_backend.parallel.gloo_all_gather`) it also turns off ``reorder_for_locality``, which
+moved a wait past the next all_gather.
 If Inductor cannot compile the graph the graph itself is returned, with a warning that says why
 (partial lowering: correctness first). Graph passes the user set in ``torch._inductor.config``
 still run: a ``post_grad_custom_pre_pass`` before ours (:func:`step_graph_config`), the others
@@ -37,6 +39,7 @@ import torch.utils._pytree as pytree
 from spmd_backend.errors import SpmdError, SpmdGraphError
 from spmd_backend.lowering.fused_decomp import decompose_fused_optimizers
 from spmd_backend.lowering.scalar_chains import SCALAR_CHAIN_PASS
+from spmd_backend.parallel.gloo_all_gather import keeps_all_gathers_apart
 
 log = logging.getLogger(__name__)
 
@@ -119,16 +122,22 @@ def user_passes() -> list[str]:
     return [name for name in PASS_OPTIONS if _theirs(getattr(torch._inductor.config, name))]
 
 
-def step_graph_config() -> contextlib.AbstractContextManager[None]:
+def step_graph_config(graph: fx.Graph | None = None) -> contextlib.AbstractContextManager[None]:
     """Inductor's configuration patched with :data:`STEP_GRAPH_CONFIG`. A
     ``post_grad_custom_pre_pass`` the user set keeps running, before ours (Inductor takes a
     tuple of passes; a pass that is not a ``CustomGraphPass`` with a ``uuid`` makes Inductor
-    bypass its FX-graph cache, as it would without us)."""
+    bypass its FX-graph cache, as it would without us). For a ``graph`` whose all_gathers are
+    kept one at a time (gloo: :mod:`spmd_backend.parallel.gloo_all_gather`), also
+    ``reorder_for_locality=False``, which would move a wait past the next all_gather (decided on
+    the graph alone, so a background worker decides the same)."""
     import torch._inductor.config
 
     theirs = _theirs(torch._inductor.config.post_grad_custom_pre_pass)
     ours = SCALAR_CHAIN_PASS if not theirs else (*theirs, SCALAR_CHAIN_PASS)
-    return torch._inductor.config.patch({**STEP_GRAPH_CONFIG, "post_grad_custom_pre_pass": ours})
+    patch = {**STEP_GRAPH_CONFIG, "post_grad_custom_pre_pass": ours}
+    if graph is not None and keeps_all_gathers_apart(graph):
+        patch["reorder_for_locality"] = False
+    return torch._inductor.config.patch(patch)
 
 
 def compile_flat(flat_gm: fx.GraphModule, spec: Any, source: fx.GraphModule,
@@ -140,7 +149,7 @@ def compile_flat(flat_gm: fx.GraphModule, spec: Any, source: fx.GraphModule,
 
     stable_cache_keys()  # the same keys as a background worker's
     t0 = time.perf_counter()
-    with step_graph_config():
+    with step_graph_config(flat_gm.graph):
         compiled = compile_fx(flat_gm, inputs)
     seconds = time.perf_counter() - t0
     log.info("Inductor compiled a %d-node graph in %.1fs", len(source.graph.nodes), seconds)

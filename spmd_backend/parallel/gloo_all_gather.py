@@ -14,6 +14,9 @@ first read, so several were in flight on every step.
 collective's tensors on gloo, every all_gather's wait comes before the next all_gather on that
 group is issued (the wait moves up; nothing else moves, so the order of collectives, and what
 runs between an all_gather and its wait, other collectives included, stay as they were).
+Lowering keeps that order: Inductor's ``reorder_for_locality`` would move a wait past the next
+all_gather again, so :func:`~spmd_backend.lowering.inductor.step_graph_config` turns it off
+for graphs :func:`keeps_all_gathers_apart` recognizes.
 Requires: functional collectives with one ``wait_tensor`` each (the SPMD invariants); group
 names the process group registry resolves. Guarantees: the graph computes the same values
 (a wait only moves earlier; its input precedes it, its users follow its old place); graphs
@@ -82,6 +85,20 @@ def max_all_gathers_in_flight(graph: fx.Graph) -> int:
     return most
 
 
+def keeps_all_gathers_apart(graph: fx.Graph) -> bool:
+    """Whether ``graph`` has all_gathers whose order must survive lowering: two or more on one
+    group, each waited before the next is issued (what :func:`serialize_all_gathers` makes).
+    Inductor's ``reorder_for_locality`` moves a wait past the next all_gather (measured: the
+    fx graph's gather, wait, gather came out as gather, gather, wait), so the lowering turns it
+    off for such a graph (:func:`spmd_backend.lowering.inductor.step_graph_config`)."""
+    per_group: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in ALL_GATHER_TARGETS:
+            group = str(node.args[-1])
+            per_group[group] = per_group.get(group, 0) + 1
+    return max(per_group.values(), default=0) >= 2 and max_all_gathers_in_flight(graph) == 1
+
+
 def serialize_all_gathers(
     graph: fx.Graph, affected: Callable[[str, torch.device], bool] = runs_on_gloo
 ) -> int:
@@ -118,5 +135,6 @@ def serialize_all_gathers(
 
 
 __all__ = [
-    "ALL_GATHER_TARGETS", "max_all_gathers_in_flight", "runs_on_gloo", "serialize_all_gathers",
+    "ALL_GATHER_TARGETS", "keeps_all_gathers_apart", "max_all_gathers_in_flight", "runs_on_gloo",
+    "serialize_all_gathers",
 ]
