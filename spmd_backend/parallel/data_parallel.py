@@ -44,6 +44,7 @@ from spmd_backend.graph.comm import Compression
 from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, inherit, owner_of
 from spmd_backend.graph.utils import fake_mode_of, node_order, propagate_val
 from spmd_backend.parallel.collectives import add_collective, add_compressed_all_reduce
+from spmd_backend.parallel.gloo_all_gather import backend_is_gloo
 from spmd_backend.parallel.shard_expansion import expand_shard_markers
 
 log = logging.getLogger(__name__)
@@ -182,12 +183,7 @@ def reduce_scatter_is_native(pg: dist.ProcessGroup, device: torch.device) -> boo
     not: it clones the input, all_reduces the whole clone and copies this rank's chunk out
     (measured on 2 loopback ranks, the DummyModel's gradients: 101-137 ms against 66 ms for the
     in-place all_reduce of the same tensors, docs/benchmarks.md)."""
-    gloo = getattr(dist, "ProcessGroupGloo", None)
-    try:
-        backend = pg._get_backend(device)
-    except (RuntimeError, ValueError, AttributeError):
-        return True
-    return gloo is None or not isinstance(backend, gloo)
+    return not backend_is_gloo(pg, device)
 
 
 @dataclass(frozen=True)

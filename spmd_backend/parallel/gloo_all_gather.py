@@ -43,17 +43,25 @@ c10d = torch.ops._c10d_functional
 ALL_GATHER_TARGETS = frozenset({c10d.all_gather_into_tensor.default})
 
 
-def runs_on_gloo(group_name: str, device: torch.device) -> bool:
-    """Whether the process group named ``group_name`` runs ``device`` tensors on gloo (False
-    for a group the registry does not know, such as a test's fake one)."""
+def backend_is_gloo(pg: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``pg`` runs ``device`` tensors on gloo (False when it cannot say)."""
     gloo = getattr(dist, "ProcessGroupGloo", None)
     if gloo is None:
         return False
     try:
-        pg = dist.distributed_c10d._resolve_process_group(group_name)
         return isinstance(pg._get_backend(device), gloo)
-    except (RuntimeError, ValueError, AttributeError, KeyError):
+    except (RuntimeError, ValueError, AttributeError):
         return False
+
+
+def runs_on_gloo(group_name: str, device: torch.device) -> bool:
+    """Whether the process group named ``group_name`` runs ``device`` tensors on gloo (False
+    for a group the registry does not know, such as a test's fake one)."""
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(group_name)
+    except (RuntimeError, ValueError, KeyError):
+        return False
+    return backend_is_gloo(pg, device)
 
 
 def _device(node: fx.Node) -> torch.device:
@@ -135,6 +143,6 @@ def serialize_all_gathers(
 
 
 __all__ = [
-    "ALL_GATHER_TARGETS", "keeps_all_gathers_apart", "max_all_gathers_in_flight", "runs_on_gloo",
+    "ALL_GATHER_TARGETS", "backend_is_gloo", "keeps_all_gathers_apart", "max_all_gathers_in_flight", "runs_on_gloo",
     "serialize_all_gathers",
 ]
