@@ -114,11 +114,6 @@ def _check_in_flight_writes(graph: fx.Graph, where: str) -> None:
                     in_flight[aliasing.alias_root(arg)] = (node, set(waits))
 
 
-def _fused_kernel(node: fx.Node) -> bool:
-    return ops.is_fused_optimizer(node) or (
-        node.op == "call_function" and node.target in ops.FUSED_INPLACE_TO_FUNCTIONAL)
-
-
 def _check_fused_shapes(node: fx.Node, where: str) -> None:
     """Raise when a fused optimizer kernel's lists do not match its parameters (when the nodes
     carry fake values; graphs without them are not checked)."""
@@ -194,7 +189,7 @@ def verify_graph(
     for node in graph.nodes:
         if ops.is_collective(node):
             _check_waits(node, where)
-        elif _fused_kernel(node):
+        elif ops.is_fused_optimizer_kernel(node):
             _check_fused_shapes(node, where)
         if require_vals and not has_val(node):
             raise SpmdGraphError(f"{where}: node {node.name} has no meta['val']")

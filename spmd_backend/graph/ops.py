@@ -28,6 +28,7 @@ COLLECTIVE_TARGETS: frozenset = frozenset(
 )
 
 ALL_REDUCE_TARGETS: frozenset = frozenset({c10d.all_reduce.default})
+ALL_GATHER_TARGETS: frozenset = frozenset({c10d.all_gather_into_tensor.default})
 WAIT_TARGETS: frozenset = frozenset({c10d.wait_tensor.default})
 
 #: Functional (out-of-place) fused optimizer kernels; args[0] are params, args[1] gradients.
@@ -92,6 +93,10 @@ def is_all_reduce(node: fx.Node) -> bool:
     return _is_call(node, ALL_REDUCE_TARGETS)
 
 
+def is_all_gather(node: fx.Node) -> bool:
+    return _is_call(node, ALL_GATHER_TARGETS)
+
+
 def is_broadcast(node: fx.Node) -> bool:
     return is_call_to(node, c10d.broadcast.default)
 
@@ -104,6 +109,11 @@ def is_fused_optimizer(node: fx.Node) -> bool:
     """A functional fused optimizer kernel (``_fused_adam(w)``, ``_fused_sgd``, ``_fused_adagrad``).
     """
     return _is_call(node, FUSED_OPTIMIZER_TARGETS)
+
+
+def is_fused_optimizer_kernel(node: fx.Node) -> bool:
+    """A fused optimizer kernel, functional or in place (``_fused_adam_`` too)."""
+    return is_fused_optimizer(node) or _is_call(node, FUSED_INPLACE_TO_FUNCTIONAL)
 
 
 def is_foreach(node: fx.Node) -> bool:

@@ -34,13 +34,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from spmd_backend.graph import ops
+from spmd_backend.graph.aliasing import waits_of
 
 log = logging.getLogger(__name__)
-
-c10d = torch.ops._c10d_functional
-
-#: the all_gather gloo runs as ``allgather_into_tensor_coalesced``
-ALL_GATHER_TARGETS = frozenset({c10d.all_gather_into_tensor.default})
 
 
 def backend_is_gloo(pg: dist.ProcessGroup, device: torch.device) -> bool:
@@ -72,11 +68,6 @@ def _device(node: fx.Node) -> torch.device:
     return val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
 
 
-def _wait_of(node: fx.Node) -> fx.Node | None:
-    waits = [u for u in node.users if ops.is_wait(u)]
-    return waits[0] if len(waits) == 1 else None
-
-
 def max_all_gathers_in_flight(graph: fx.Graph) -> int:
     """The most all_gathers issued and not yet waited at one point of ``graph``, on any one
     process group (analysis only)."""
@@ -86,7 +77,7 @@ def max_all_gathers_in_flight(graph: fx.Graph) -> int:
         if ops.is_wait(node):
             for gathers in open_.values():
                 gathers.discard(node.args[0])  # type: ignore[arg-type]
-        elif node.op == "call_function" and node.target in ALL_GATHER_TARGETS:
+        elif ops.is_all_gather(node):
             gathers = open_.setdefault(str(node.args[-1]), set())
             gathers.add(node)
             most = max(most, len(gathers))
@@ -101,7 +92,7 @@ def keeps_all_gathers_apart(graph: fx.Graph) -> bool:
     off for such a graph (:func:`spmd_backend.lowering.inductor.step_graph_config`)."""
     per_group: dict[str, int] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in ALL_GATHER_TARGETS:
+        if ops.is_all_gather(node):
             group = str(node.args[-1])
             per_group[group] = per_group.get(group, 0) + 1
     return max(per_group.values(), default=0) >= 2 and max_all_gathers_in_flight(graph) == 1
@@ -121,7 +112,7 @@ def serialize_all_gathers(
                 if node in waits:
                     waits.remove(node)
             continue
-        if node.op != "call_function" or node.target not in ALL_GATHER_TARGETS:
+        if not ops.is_all_gather(node):
             continue
         group = str(node.args[-1])
         device = _device(node)
@@ -133,8 +124,7 @@ def serialize_all_gathers(
         for wait in in_flight.get(group, []):
             node.prepend(wait)  # the earlier all_gather completes before this one starts
             moved += 1
-        wait = _wait_of(node)
-        in_flight[group] = [wait] if wait is not None else []
+        in_flight[group] = waits_of(node)
     if moved:
         graph.lint()
         log.info("gloo: %d all_gather wait(s) moved up so that one all_gather is in flight at "
@@ -143,6 +133,6 @@ def serialize_all_gathers(
 
 
 __all__ = [
-    "ALL_GATHER_TARGETS", "backend_is_gloo", "keeps_all_gathers_apart", "max_all_gathers_in_flight", "runs_on_gloo",
+    "backend_is_gloo", "keeps_all_gathers_apart", "max_all_gathers_in_flight", "runs_on_gloo",
     "serialize_all_gathers",
 ]
