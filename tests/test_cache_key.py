@@ -270,3 +270,66 @@ def test_python_side_effects_in_forward_hit_the_limit_with_the_reason(fake_pg):
     with pytest.raises(SpmdUsageError, match=r"attribute <root>\.calls changed from 2 to 3"):
         for _ in range(5):
             compiled(model, opt, torch.randn(4, 8))
+
+
+class CountingSGD(torch.optim.Optimizer):
+    """SGD whose step size decays with a Python counter kept on the optimizer object."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+        self.k = 0
+
+    @torch.no_grad()
+    def step(self):
+        self.k += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / self.k)
+
+
+def _counting_run(compiled, calls=4):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = CountingSGD(model.parameters(), 0.1), CountingSGD(twin.parameters(), 0.1)
+    for i in range(calls):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        compiled(model, opt, x)
+        step(twin, twin_opt, x)
+    assert opt.k == twin_opt.k == calls
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_optimizer_python_attribute_is_part_of_the_key(fake_pg, caplog):
+    """A custom optimizer's ``self.k += 1`` runs only while a step is traced: a replayed graph
+    would keep the traced ``k`` (trained wrong, before the fix). The optimizer's plain
+    attributes are keyed, so each call retraces, with the reason."""
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        _counting_run(spmd_backend.compile()(step))
+    assert "attribute <optimizer CountingSGD>.k changed from 1 to 2" in " ".join(
+        retrace_messages(caplog))
+
+
+def test_optimizer_python_attribute_through_dynamo(fake_pg):
+    """torch 2.13's Dynamo dropped attribute stores on an optimizer (its ``self.k`` stayed 0
+    and the graph kept the first call's value); they are replayed after each call now."""
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="spmd", options={"inductor": False, "reduce_op": "sum"})
+    _counting_run(compiled)
+
+
+def test_lr_scheduler_bookkeeping_does_not_retrace(fake_pg, caplog):
+    """An LR scheduler's ``_opt_called`` flag (set on the optimizer by the first step) is not
+    a reason to retrace."""
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    compiled = spmd_backend.compile()(step)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for _ in range(3):
+            compiled(model, opt, torch.randn(4, 8))
+            sched.step()
+    assert getattr(opt, "_opt_called", False)
+    assert compiled.trace_count == 1, retrace_messages(caplog)

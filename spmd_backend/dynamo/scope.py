@@ -283,12 +283,39 @@ def _backward_of_upstream_loss() -> Patch:
     return (TensorVariable, "method_backward", method_backward)
 
 
+def _optimizer_attribute_stores() -> Patch:
+    """An attribute stored on an optimizer inside the step (``self.k += 1`` in a custom
+    ``step()``, an LR scheduler's ``_opt_called``) is replayed after each call.
+
+    torch 2.13 builds an optimizer's variable as mutable but never registers it with the side
+    effects it replays, so such stores were dropped: the graph baked the first call's value
+    and later calls saw the attribute unchanged, training silently wrong. The first store
+    registers the optimizer (later stores through another variable of the same optimizer go
+    to the registered one)."""
+    from torch._dynamo.side_effects import SideEffects
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+
+    original = SideEffects.store_attr
+
+    def store_attr(self: Any, item: Any, name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(item, OptimizerVariable):
+            tracked = self.id_to_variable.get(id(item.value))
+            if tracked is None:
+                self.id_to_variable[id(item.value)] = item
+                self.keepalive.append(item.value)
+            else:
+                item = tracked
+        return original(self, item, name, value, *args, **kwargs)
+
+    return (SideEffects, "store_attr", store_attr)
+
+
 def _patches() -> list[Patch]:
     """(owner, attribute, replacement) for every adjustment of the scope."""
     traceable = _optimizer_functions()
     return [
         _inline_disabled(traceable), _skipped_calls(traceable), _init_group_traced(),
-        _return_loss_detached(), _backward_of_upstream_loss(),
+        _return_loss_detached(), _backward_of_upstream_loss(), _optimizer_attribute_stores(),
     ]
 
 

@@ -26,6 +26,7 @@ from spmd_backend.tracing.key import (
     global_context,
     hashable,
     module_state,
+    optimizer_attributes,
     optimizer_state_hooks,
     plain_attributes,
     tensor_spec,
@@ -172,6 +173,7 @@ class StepBinding:
         groups: tuple = ()
         state: tuple = ()
         opt_hooks: tuple = ()
+        opt_attrs: tuple = ()
         if opt is not None:
             idx = self.param_index()
             lifted: dict[int, list[tuple[str, int | None]]] = {}
@@ -185,6 +187,7 @@ class StepBinding:
             live = opt.state
             state = tuple([None if p not in live else _state_key(live[p]) for p in self.params])
             opt_hooks = optimizer_state_hooks(opt)
+            opt_attrs = optimizer_attributes(opt)
         return StepKey(
             module=id(self.module),
             optimizer=id(opt) if opt is not None else None,
@@ -194,6 +197,7 @@ class StepBinding:
             groups=groups,
             state=state,
             optimizer_hooks=opt_hooks,
+            optimizer_attrs=opt_attrs,
             args_spec=self.args_spec,
             args=tuple(
                 ("tracked",) if j in self.tracked_leaves else self.leaf_key(j)

@@ -7,7 +7,8 @@ A compiled step is valid only for the facts its trace depended on. Those facts a
   identity of the module and optimizer, every tensor's shape/dtype/device/requires_grad, the
   optimizer state's structure, the argument tree's structure, every module's mode and plain
   attributes and hooks (``model.eval()``, ``model.gradient_checkpointing_enable()``, a new
-  forward hook), the optimizer's hooks and defaults, and the process-wide flags that change
+  forward hook), the optimizer's hooks, defaults and plain attributes (a custom optimizer's
+  Python counter), and the process-wide flags that change
   what gets traced (grad mode, autocast, deterministic algorithms, default dtype, SDPA backends).
 * :class:`Guard` values are what the trace was seen to *read*: non-lifted optimizer
   hyper-parameters (``eps``, ``amsgrad``, ...) and non-tensor entries of argument dicts. A value
@@ -176,6 +177,21 @@ def optimizer_state_hooks(opt: torch.optim.Optimizer) -> tuple:
     )
 
 
+#: torch.optim bookkeeping that never changes what a step computes: an LR scheduler's
+#: "step was called" flag (set by the first step), the fused path's "devices checked" flag,
+#: a warning's and a profiler label
+_OPTIMIZER_BOOKKEEPING = frozenset({
+    "_opt_called", "_need_device_dtype_check_for_fused", "_warned_capturable_if_run_uncaptured",
+    "_zero_grad_profile_name",
+})
+
+
+def optimizer_attributes(opt: torch.optim.Optimizer) -> tuple:
+    """The optimizer object's own plain attributes (a custom optimizer's ``self.k`` that its
+    ``step()`` reads), without torch's bookkeeping."""
+    return tuple((k, v) for k, v in plain_attributes(opt) if k not in _OPTIMIZER_BOOKKEEPING)
+
+
 # ------------------------------------------------------------------ key and guards
 @dataclass(frozen=True)
 class Guard:
@@ -239,6 +255,7 @@ class StepKey:
     groups: tuple
     state: tuple
     optimizer_hooks: tuple
+    optimizer_attrs: tuple
     args_spec: Any
     args: tuple
     modules: tuple
@@ -371,6 +388,11 @@ def _attr_change(label: str, a: dict, b: dict) -> str:
     return f"the attributes of {label!r} changed"
 
 
+def _explain_optimizer_attrs(old: tuple, new: tuple, binding: Any) -> str | None:
+    label = f"<optimizer {type(binding.optimizer).__name__}>" if binding is not None else "<optimizer>"
+    return _attr_change(label, dict(old), dict(new))
+
+
 def _explain_context(old: tuple, new: tuple, binding: Any) -> str | None:
     i = _first_diff(old, new)
     if i is None:
@@ -401,6 +423,7 @@ _EXPLAIN = {
     "state": _explain_tensors("state"),
     "args": _explain_args,
     "modules": _explain_modules,
+    "optimizer_attrs": _explain_optimizer_attrs,
     "context": _explain_context,
     "groups": _explain_groups,
 }
