@@ -51,6 +51,21 @@ def test_whole_step_capture_matches_ddp(rank_pool, model, optim):
     assert result.losses[0] != result.losses[-1]
 
 
+@pytest.mark.parametrize("model", ["mlp", "hf_gpt2"])
+def test_zero_grad_before_the_forward_matches_ddp(rank_pool, model):
+    """``optim.zero_grad()`` first, as most training loops write it. Reading
+    ``optim.param_groups`` before the forward made Dynamo hold the parameters as graph
+    attributes, and ``loss.backward()`` then found nothing to differentiate (a graph break and
+    an error, before the fix); the gradients outlive the step and are compared with DDP's."""
+    case = ParityCase(model, OptimSpec("adamw", "foreach", lr=1e-3, weight_decay=0.01), steps=4,
+                      reduce_op="avg", dynamo_options=FAST, zero_grad_first=True)
+    result = rank_pool.run(check_ddp_parity, case)[0]
+    assert result.dynamo["graph_breaks"] == 0, result.dynamo
+    # Dynamo guards on each .grad: None on the first call, a tensor on the others
+    assert result.dynamo["whole_step_graphs"] == 2, result.dynamo
+    assert result.dynamo["per_graph_graphs"] == 0, result.dynamo
+
+
 @pytest.mark.parametrize("model", ["batchnorm", "unused"])
 def test_models_ddp_handles(rank_pool, model):
     result = rank_pool.run(check_ddp_parity, _dynamo(model, SGD_MOMENTUM))[0]

@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent(
     from torch._dynamo.variables.functions import SkipFunctionVariable
     from torch._dynamo.variables.optimizer import OptimizerVariable
     from torch._dynamo.variables.tensor import TensorVariable
+    from torch._dynamo.side_effects import SideEffects
 
     def step(model, opt, x):
         loss = model(x).pow(2).mean()
@@ -46,7 +47,9 @@ SCRIPT = textwrap.dedent(
 
     def methods():
         return [id(SkipFunctionVariable.call_function), id(OptimizerVariable.call_method),
-                id(TensorVariable.method_backward),
+                id(TensorVariable.method_backward), id(OptimizerVariable.var_getattr),
+                id(SideEffects.store_attr), id(TensorVariable.method_attr_grad),
+                id(TensorVariable.method_attr_requires_grad),
                 id(OutputGraph._validate_outputs_safe_for_autograd_nodes),
                 torch._dynamo.config.trace_autograd_ops]
 
@@ -73,3 +76,31 @@ def test_stock_torch_compile_is_unaffected_by_the_spmd_backend():
     assert out["before"]["breaks"] > 0, "stock Dynamo breaks this step; the test must see it"
     assert out["spmd"]["breaks"] == 0 and out["spmd"]["whole_step_graphs"] == 2, out
     assert out["spmd"]["sum"] == out["before"]["sum"], out  # one rank: same training
+
+
+def test_none_and_true_stay_constants_after_reading_grad(fake_pg):
+    """torch 2.13 gave its shared None constant the source of the first ``p.grad`` (None) a
+    frame read, and every later None of the process was rebuilt from that gradient: this
+    step's ``"aux": None`` came back as a parameter's gradient from the second call on."""
+    import torch
+    import torch.nn as nn
+    from torch._dynamo.variables import constant
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(model, opt, x):
+        opt.zero_grad()  # reads each .grad: None on the first call
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return {"loss": loss, "aux": None, "flag": True}
+
+    compiled = torch.compile(step, backend="spmd", options={"inductor": False})
+    for _ in range(3):
+        out = compiled(model, opt, torch.randn(8, 4))
+        assert out["aux"] is None and out["flag"] is True, out
+    shared = (constant.CONSTANT_VARIABLE_NONE, constant.CONSTANT_VARIABLE_TRUE,
+              constant.CONSTANT_VARIABLE_FALSE)
+    assert all(c.source is None for c in shared), [c.source for c in shared]

@@ -58,6 +58,9 @@ CASES = {
     "uneven-adamw-single-reduce-scatter": lambda: ParityCase(
         _uneven(), OptimSpec("adamw", "single", weight_decay=0.1), steps=4, shard_optimizer=True,
         dynamo_options=SHARD_FX, reduce_scatter_grads=True),
+    "mlp-adam-zero-grad-first": lambda: ParityCase(  # the gradients outlive the step
+        "mlp", OptimSpec("adam", "foreach"), steps=4, reduce_op="avg", shard_optimizer=True,
+        dynamo_options=SHARD_FX, zero_grad_first=True),
     "hf_gpt2-adamw": lambda: ParityCase(  # transformers' GPT-2 (tiny config, random init)
         "hf_gpt2", OptimSpec("adamw", "foreach", lr=1e-3, weight_decay=0.01), steps=3,
         reduce_op="avg", shard_optimizer=True, dynamo_options=SHARD_FX),

@@ -51,6 +51,16 @@ def test_parity_avg(rank_pool, model):
     rank_pool.run(check_ddp_parity, ParityCase(model, OptimSpec("adam", "fused"), reduce_op="avg"))
 
 
+@pytest.mark.parametrize("shard_optimizer", [False, True], ids=["exact", "sharded"])
+def test_parity_zero_grad_first(rank_pool, shard_optimizer):
+    """``optim.zero_grad()`` before the forward, as most training loops write it: the
+    gradients outlive the step and must equal DDP's too (compared by check_ddp_parity)."""
+    case = ParityCase("mlp", OptimSpec("adam", "foreach"), steps=4, reduce_op="avg",
+                      zero_grad_first=True, shard_optimizer=shard_optimizer)
+    results = rank_pool.run(check_ddp_parity, case)
+    assert results[0].losses[0] != results[0].losses[-1], "the model did not train"
+
+
 def _alone(inductor: bool):
     """The default passes with every gradient of >= 1 KiB reduced alone (default: 4 MiB)."""
     import dataclasses

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from spmd_backend.dynamo import frame
+
 log = logging.getLogger(__name__)
 
 #: optimizers whose first state depends on the first gradient's values, not only its shape
@@ -45,18 +47,9 @@ def _torch_optimizer(obj: Any) -> bool:
 
 
 def optimizers_of_frame(code: Any, frame_locals: Any, frame_globals: Any, closure: Any) -> list[Any]:
-    """The torch.optim optimizers a frame reaches directly: arguments and locals, closure
-    cells and the globals its code names."""
-    values: list[Any] = list(dict(frame_locals or {}).values())
-    for cell in closure or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
-    names = getattr(code, "co_names", ())
-    values.extend(frame_globals[n] for n in names if isinstance(frame_globals, dict) and n in frame_globals)
+    """The torch.optim optimizers a frame reaches directly (:func:`frame.frame_values`)."""
     found: dict[int, Any] = {}
-    for v in values:
+    for v in frame.frame_values(code, frame_locals, frame_globals, closure):
         if _torch_optimizer(v):
             found.setdefault(id(v), v)
     return list(found.values())

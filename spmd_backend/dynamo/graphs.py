@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from spmd_backend.dynamo import frame
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import INPUT_KIND_KEY, Phase, annotate, annotated, owner_of
 from spmd_backend.graph.utils import get_output
@@ -84,6 +85,17 @@ def source_fqn(source: Any) -> str:
     return ".".join(reversed(parts))
 
 
+def _param_fqn(param: torch.Tensor, source: Any) -> str:
+    """A parameter's FQN. Dynamo keeps the first source a frame reached a tensor through; when
+    that was an optimizer (``opt.param_groups[0]['params'][3]``, a step that calls
+    ``zero_grad()`` before the forward), the name comes from the frame's modules instead."""
+    from torch._dynamo.source import AttrSource
+
+    via_optimizer = any(isinstance(s, AttrSource) and s.member == "param_groups" for s in _chain(source))
+    name = frame.parameter_name(param) if via_optimizer else None
+    return name if name is not None else source_fqn(source)
+
+
 def _kind(example: Any, source: Any) -> str:
     from torch._dynamo.source import AttrSource, GradSource, OptimizerSource
 
@@ -112,7 +124,7 @@ def classify_inputs(gm: fx.GraphModule) -> DynamoInputs:
         found.kinds[i] = kind
         if kind == "param":
             found.params[i] = example
-            found.fqns[i] = source_fqn(source)
+            found.fqns[i] = _param_fqn(example, source)
         elif kind == "buffer":
             found.buffers[i] = example
             found.fqns[i] = source_fqn(source)

@@ -17,6 +17,10 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
   returns plain tensors too);
 * turns a ``loss.backward()`` whose loss came from an earlier graph into a graph break (torch
   2.13 silently skips such a backward under ``trace_autograd_ops``: no gradients, no error);
+* keeps parameters graph inputs when the frame reads ``optimizer.param_groups`` before the
+  forward (``zero_grad()`` first), and gives ``p.grad``/``p.requires_grad`` reads a constant
+  of their own instead of torch's shared None/True/False (whose source torch overwrites);
+* replays attribute stores on an optimizer object (torch 2.13 drops them);
 * traces the fused optimizers (``_fused_adam``...) Dynamo otherwise skips;
 * creates a fresh optimizer's state before the frame is traced
   (:mod:`spmd_backend.dynamo.fresh_state`), so a step compiles once instead of twice.
@@ -49,7 +53,7 @@ from typing import Any
 
 import torch
 
-from spmd_backend.dynamo import fresh_state, sharded_update
+from spmd_backend.dynamo import frame, fresh_state, sharded_update
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.sharding import ShardSpec
 
@@ -283,6 +287,30 @@ def _backward_of_upstream_loss() -> Patch:
     return (TensorVariable, "method_backward", method_backward)
 
 
+def _params_stay_graph_inputs() -> Patch:
+    """Reading ``optimizer.param_groups`` does not pin the parameters as graph attributes.
+
+    Dynamo marks every parameter "static, guarded" the first time a frame reads
+    ``param_groups`` (for CUDA graphs), and a tensor so marked is installed as a ``get_attr``
+    rather than a graph input. ``loss.backward()`` then finds no parameters to differentiate
+    (its leaves are the frame's inputs), so a step that calls ``optimizer.zero_grad()`` before
+    the forward, the order most training loops use, lost its backward. Parameters stay inputs
+    here, whichever object the frame reaches them through first; the backend lowers without
+    CUDA graphs."""
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+    from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+
+    original = OptimizerVariable.var_getattr
+
+    def var_getattr(self: Any, tx: Any, name: str) -> Any:
+        if name == "param_groups":
+            self._set_capturable(tx)
+            return UserDefinedObjectVariable.var_getattr(self, tx, name)
+        return original(self, tx, name)
+
+    return (OptimizerVariable, "var_getattr", var_getattr)
+
+
 def _optimizer_attribute_stores() -> Patch:
     """An attribute stored on an optimizer inside the step (``self.k += 1`` in a custom
     ``step()``, an LR scheduler's ``_opt_called``) is replayed after each call.
@@ -310,12 +338,48 @@ def _optimizer_attribute_stores() -> Patch:
     return (SideEffects, "store_attr", store_attr)
 
 
+def _fresh_constants_for_tensor_attributes() -> list[Patch]:
+    """``p.grad`` (None) and ``p.requires_grad`` read inside the step get a constant of their
+    own.
+
+    torch 2.13 answers both with its shared None/True/False constants and then sets that
+    shared object's source to ``p.grad``/``p.requires_grad``: every later None or True of
+    the process (in this frame, and in frames compiled after it, ours or not) was then rebuilt
+    from that tensor attribute instead of being a constant. A step that calls ``zero_grad()``
+    before the forward read ``.grad`` of a parameter reached through the optimizer, and the
+    next model compiled in the process set its gradients from
+    ``optim.param_groups[0]['params'][5].grad`` of the first (an IndexError, or a wrong
+    tensor where the index exists)."""
+    from torch._dynamo.variables import constant
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    def fresh(original: Callable[..., Any]) -> Callable[..., Any]:
+        def handler(self: Any, tx: Any) -> Any:
+            result = original(self, tx)
+            if any(result is c for c in _shared_constants(constant)):
+                return constant.ConstantVariable(result.value)
+            return result
+
+        return handler
+
+    return [
+        (TensorVariable, name, fresh(TensorVariable.__dict__[name]))
+        for name in ("method_attr_grad", "method_attr_requires_grad")
+    ]
+
+
+def _shared_constants(constant: Any) -> tuple[Any, ...]:
+    return (constant.CONSTANT_VARIABLE_NONE, constant.CONSTANT_VARIABLE_TRUE,
+            constant.CONSTANT_VARIABLE_FALSE)
+
+
 def _patches() -> list[Patch]:
     """(owner, attribute, replacement) for every adjustment of the scope."""
     traceable = _optimizer_functions()
     return [
         _inline_disabled(traceable), _skipped_calls(traceable), _init_group_traced(),
-        _return_loss_detached(), _backward_of_upstream_loss(), _optimizer_attribute_stores(),
+        _return_loss_detached(), _backward_of_upstream_loss(), _params_stay_graph_inputs(),
+        _optimizer_attribute_stores(), *_fresh_constants_for_tensor_attributes(),
     ]
 
 
@@ -337,6 +401,19 @@ def whole_step_scope() -> Iterator[None]:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
         _state["active"] -= 1
+        _unsource_shared_constants()
+
+
+def _unsource_shared_constants() -> None:
+    """Give torch's shared None/True/False constants back their (absent) source, should any
+    other path of the frame have set one (see :func:`_fresh_constants_for_tensor_attributes`)."""
+    from torch._dynamo.variables import constant
+
+    for c in _shared_constants(constant):
+        if c.source is not None:
+            log.warning('backend="spmd": torch\'s shared constant %r had the source %s after a '
+                        "frame was compiled; reset", c.value, c.source.name)
+            c.source = None
 
 
 def _prepare_sharding(optimizers: list[Any]) -> None:
@@ -375,7 +452,9 @@ def install() -> bool:
         global _sharding
         options = _backend_options(compiler_fn)
         outer = _sharding  # a frame compiled while another is (not expected)
-        with whole_step_scope():
+        with whole_step_scope(), frame.parameter_names(
+            frame.frame_values(code, locals, globals, closure)
+        ):
             optimizers = fresh_state.optimizers_of_frame(code, locals, globals, closure)
             _sharding = _Sharding(*(sharded_update.spec_for(options) or (None, None)))
             _sharding.created = fresh_state.create_fresh_state(optimizers)

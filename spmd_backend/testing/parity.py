@@ -114,6 +114,9 @@ class ParityCase:
     #: ``DataParallel(reduce_scatter_grads=...)`` (with ``shard_optimizer``; None: by backend,
     #: which on gloo all-reduces and slices)
     reduce_scatter_grads: bool | None = None
+    #: the step calls ``optim.zero_grad()`` first, as most training loops do, instead of last:
+    #: the gradients then outlive the step and are compared with DDP's too
+    zero_grad_first: bool = False
 
     def label(self) -> str:
         t = getattr(self.transformation, "__name__", None) or (
@@ -126,6 +129,7 @@ class ParityCase:
         door += "/sharded" if self.shard_optimizer else ""
         door += f"/{self.gradient_compression}" if self.gradient_compression else ""
         door += {True: "/reduce_scatter", False: "/all_reduce", None: ""}[self.reduce_scatter_grads]
+        door += "/zero_grad_first" if self.zero_grad_first else ""
         return f"{model}/{self.optim.label()}/{self.reduce_op}{door}" + (f"/{t}" if t else "")
 
 
@@ -147,9 +151,9 @@ def _compare(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
-def make_train_step(entry: ModelEntry) -> Callable[..., torch.Tensor]:
-    """The canonical eager step: loss, backward, optimizer step, zero_grad; returns the loss
-    (as the README writes it: not detached)."""
+def make_train_step(entry: ModelEntry, zero_grad_first: bool = False) -> Callable[..., torch.Tensor]:
+    """The canonical eager step: loss, backward, optimizer step, zero_grad (or zero_grad
+    first); returns the loss (as the README writes it: not detached)."""
 
     def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
         loss = entry.loss(model, batch)
@@ -158,7 +162,14 @@ def make_train_step(entry: ModelEntry) -> Callable[..., torch.Tensor]:
         optim.zero_grad()
         return loss
 
-    return train_step
+    def zero_first_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
+        optim.zero_grad()
+        loss = entry.loss(model, batch)
+        loss.backward()
+        optim.step()
+        return loss
+
+    return zero_first_step if zero_grad_first else train_step
 
 
 def register_compression_hook(ddp: DDP, kind: str) -> None:
@@ -188,7 +199,7 @@ def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResu
     opt, sched = case.optim.build(model)
     ref_opt, ref_sched = case.optim.build(ref_model, reference=True)
 
-    step = _compiled_step(case, make_train_step(entry))
+    step = _compiled_step(case, make_train_step(entry, case.zero_grad_first))
 
     gen = torch.Generator().manual_seed(1000 + rank)
     losses: list[float] = []
@@ -196,6 +207,8 @@ def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResu
         batch = entry.batch(gen)
         loss = step(model, opt, batch)
         losses.append(float(loss))
+        if case.zero_grad_first:
+            ref_opt.zero_grad()
         ref_loss = entry.loss(ddp, batch)
         ref_loss.backward()
         if case.reduce_op == "sum":
@@ -204,7 +217,8 @@ def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResu
                     if p.grad is not None:
                         p.grad *= world_size
         ref_opt.step()
-        ref_opt.zero_grad()
+        if not case.zero_grad_first:
+            ref_opt.zero_grad()
         if sched is not None:
             sched.step()
             ref_sched.step()
@@ -223,6 +237,8 @@ def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResu
         max_p = max(max_p, _compare(a, b, f"{case.label()} parameter {name}"))
         if (p.grad is None) != (q.grad is None):
             raise AssertionError(f"{case.label()}: .grad of {name} is {p.grad} vs DDP {q.grad}")
+        if p.grad is not None and noise is None:
+            _compare(p.grad, q.grad, f"{case.label()} .grad of {name}")
     for (name, b), (_, c) in zip(model.named_buffers(), ref_model.named_buffers()):
         _compare(b, c, f"{case.label()} buffer {name}")
     max_s = 0.0
