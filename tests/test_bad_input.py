@@ -154,6 +154,46 @@ def test_error_inside_the_step_restores_everything(fake_pg):
     assert_untouched(before, model, opt)
 
 
+@pytest.mark.parametrize("make_scheduler", [
+    lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5),
+    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s),  # transformers' kind
+    lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [
+        torch.optim.lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=2),
+        torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[2]),
+    lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+], ids=["cosine", "lambda", "sequential", "plateau"])
+def test_scheduler_step_inside_the_step_is_refused_untouched(fake_pg, make_scheduler):
+    """A replayed graph would never step the schedule again (the step's Python runs only while
+    tracing); before the refusal the trace failed inside the scheduler with a torch error and
+    had already bumped its epoch."""
+    model, opt = make()
+    sched = make_scheduler(opt)
+    sched_before = {k: v for k, v in vars(sched).items() if isinstance(v, (int, float, list))}
+    before = snapshot(model, opt)
+
+    @spmd_backend.compile()
+    def step(model, optim, sched, batch):
+        loss = model(batch).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        sched.step(loss) if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) \
+            else sched.step()
+        return loss
+
+    with pytest.raises(SpmdUsageError, match=rf"calls {type(sched).__name__}\.step\(\) \(at .*"
+                       r"test_bad_input.py.*Call scheduler.step\(\) after the compiled step"):
+        step(model, opt, sched, torch.randn(2, 8))
+    assert_untouched(before, model, opt)
+    assert {k: v for k, v in vars(sched).items() if k in sched_before} == sched_before
+    # the same loop with scheduler.step() after the compiled call works
+    plain = spmd_backend.compile()(good_step)
+    for _ in range(2):
+        plain(model, opt, torch.randn(2, 8))
+        sched.step(1.0) if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) \
+            else sched.step()
+
+
 def test_captured_real_tensor_is_named(fake_pg):
     model, opt = make()
     captured = torch.randn(4)
