@@ -139,6 +139,48 @@ def test_unsupported_return_value(fake_pg):
     assert_untouched(before, model, opt)
 
 
+@pytest.mark.parametrize("inductor", [False, True])
+def test_returning_item_gives_the_number_of_every_call(fake_pg, inductor):
+    """``return loss.item()`` (the usual logging idiom): the graph returns the tensor and the
+    step returns its number, the current call's (not the traced one's)."""
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+
+    model, opt = make()
+    twin, twin_opt = make()
+
+    def step(model, optim, batch):
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return {"loss": loss.item(), "n": batch.shape[0]}
+
+    compiled = spmd_backend.compile(
+        gm_transformation=GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True)
+        if inductor else None)(step)
+    for i in range(3):
+        batch = torch.randn(2, 8, generator=torch.Generator().manual_seed(i))
+        out, ref = compiled(model, opt, batch), step(twin, twin_opt, batch)
+        assert type(out["loss"]) is float and out["n"] == 2
+        assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), (i, out, ref)
+
+
+def test_arithmetic_on_item_is_refused_naming_it(fake_pg):
+    model, opt = make()
+    before = snapshot(model, opt)
+
+    @spmd_backend.compile()
+    def step(model, optim, batch):
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        optim.step()
+        return {"scaled": loss.item() * 2}
+
+    with pytest.raises(SpmdUsageError, match=r"computed from a tensor's value at output\['scaled'\]"):
+        step(model, opt, torch.randn(2, 8))
+    assert_untouched(before, model, opt)
+
+
 def test_error_inside_the_step_restores_everything(fake_pg):
     model, opt = make()
     before = snapshot(model, opt)

@@ -6,7 +6,9 @@
 * rewrites in-place fused optimizer kernels into their functional form plus ``copy_``
   (:mod:`spmd_backend.tracing.fused_optim`), and
 * stamps every fx node created while that op was dispatched with the phase and owning-module
-  FQN reported by a :class:`TraceContext` (see :mod:`spmd_backend.graph.meta`).
+  FQN reported by a :class:`TraceContext` (see :mod:`spmd_backend.graph.meta`), and
+* records which tensor each ``.item()`` read (``TraceContext.items``), so a step that returns
+  ``loss.item()`` can return the tensor from the graph and take the number after it.
 
 Nodes are found by walking the traced graph from its last node before the op to its last node
 after it, so annotation costs O(new nodes) and survives functionalization (functional replays
@@ -16,7 +18,8 @@ are created inside the same dispatch).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -40,6 +43,8 @@ class TraceContext:
     in_optimizer: bool = False
     fqn_provider: Callable[[], str | None] | None = None
     phase_provider: Callable[[Phase], Phase] | None = None
+    #: ``tensor.item()`` calls of the step: the symbol of each result -> the tensor it read
+    items: dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def phase(self) -> Phase:
         if self.in_optimizer:
@@ -80,6 +85,10 @@ class TraceMode(TorchDispatchMode):
             out = None
         else:
             out = func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(
+            out, (torch.SymInt, torch.SymFloat, torch.SymBool)
+        ):
+            self.ctx.items[out.node.expr] = args[0]
         if graph is not None and last is not None:
             node = last.next
             if node is not graph._root:

@@ -159,7 +159,10 @@ class StepLayout:
                 live = binding.buffers[j] if kind == "buffers" else binding.flat_args[self.arg_inputs[j]]
                 live.copy_(outs[pos])
                 pos += 1
-        leaves = [outs[v] if kind == "tensor" else v for kind, v in self.out_leaves]
+        leaves = [
+            outs[v] if kind == "tensor" else outs[v].item() if kind == "item" else v
+            for kind, v in self.out_leaves
+        ]
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 

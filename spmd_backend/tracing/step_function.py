@@ -93,6 +93,16 @@ def _is_inference_cache(leaf: Any) -> bool:
     return any(c.__name__ == "Cache" and "transformers" in c.__module__ for c in type(leaf).__mro__)
 
 
+_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _item_source(leaf: Any, items: dict[Any, torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose ``.item()`` the step returned as ``leaf``, if it did."""
+    if isinstance(leaf, _SYM_TYPES):
+        return items.get(leaf.node.expr)
+    return None
+
+
 def _output_leaf(leaf: Any, path: str) -> Any:
     """``leaf`` as the compiled step returns it: tensors and constants as they are, an inference
     cache dropped (None) with a warning, anything else refused with its path."""
@@ -105,6 +115,12 @@ def _output_leaf(leaf: Any, path: str) -> Any:
             "model to skip computing it)", type(leaf).__name__, path,
         )
         return None
+    if isinstance(leaf, _SYM_TYPES):
+        raise SpmdUsageError(
+            f"spmd_backend.compile: the train step returned a Python number computed from a "
+            f"tensor's value at {path} (arithmetic on .item()); return the tensor (or the "
+            ".item() itself) and compute the number after the compiled step"
+        )
     raise SpmdUsageError(
         f"spmd_backend.compile: the train step returned a value of type "
         f"{type(leaf).__qualname__} at {path}; a compiled step may return tensors, None, "
@@ -257,6 +273,11 @@ class StepFunction:
         leaves_with_path, layout.out_spec = pytree.tree_flatten_with_path(out)
         results: list[torch.Tensor] = []
         for path, leaf in leaves_with_path:
+            read = _item_source(leaf, self.ctx.items)
+            if read is not None:  # loss.item(): the graph returns the tensor, the number after it
+                layout.out_leaves.append(("item", len(results)))
+                results.append(from_functional(read))
+                continue
             leaf = _output_leaf(leaf, "output" + pytree.keystr(path))
             if isinstance(leaf, torch.Tensor):
                 layout.out_leaves.append(("tensor", len(results)))
