@@ -74,7 +74,8 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
         return SpmdTraceError(
             "the train step used a real tensor that is neither a parameter, buffer, optimizer "
             "state nor an argument of the call (a tensor captured from an enclosing scope?); "
-            f"pass it as an argument or register it as a buffer{at}. ({msg[:300]})"
+            "pass it as an argument (another module's weights, such as an EMA copy, as a list: "
+            f"list(ema.parameters())) or register it as a buffer{at}. ({msg[:300]})"
         )
     if type(e).__name__ in _DATA_DEPENDENT or "data-dependent" in msg:
         return SpmdTraceError(
