@@ -118,3 +118,74 @@ def test_accumulation_matches_ddp_no_sync(rank_pool, reduce_op):
         assert result.pop("all_reduces_inside_one_step") == 4  # 2 layers x (weight, bias)
         for case, diff in result.items():
             assert diff < 1e-5, f"{case}: max parameter difference {diff} vs DDP"
+
+
+def _dynamo_job(rank: int, world: int) -> dict[str, float]:
+    """The same through ``torch.compile(..., backend="spmd")``, in the forms torch.compile users
+    write: a compiled forward/backward with the optimizer stepped eagerly every other call (the
+    pass that re-inplaces the gradient accumulation crashed on it), a compiled step that steps
+    only when told to, and a step without zero_grad (gradients accumulate forever)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_backend.testing.models import MLP
+
+    torch.manual_seed(0)
+    base = MLP(8, 16, 2, 4)
+    gen = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(4, 8, generator=gen) for _ in range(6)]
+    out: dict[str, float] = {}
+
+    def loss_of(model, x):
+        return model(x).pow(2).mean()
+
+    def pair():
+        model = copy.deepcopy(base)
+        ref = copy.deepcopy(base)
+        return (model, torch.optim.AdamW(model.parameters(), lr=1e-2), DDP(ref),
+                torch.optim.AdamW(ref.parameters(), lr=1e-2))
+
+    def forward_backward(model, x):
+        loss = loss_of(model, x)
+        loss.backward()
+        return loss
+
+    def step_when_told(model, opt, x, do_step):
+        loss_of(model, x).backward()
+        if do_step:
+            opt.step()
+            opt.zero_grad()
+
+    def never_zeroed(model, opt, x):
+        loss_of(model, x).backward()
+        opt.step()
+
+    for name, fn in [("fb_then_eager_step", forward_backward), ("step_when_told", step_when_told),
+                     ("never_zeroed", never_zeroed)]:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="spmd", options={"inductor": False})
+        model, opt, ddp, ref_opt = pair()
+        for i, x in enumerate(batches):
+            do_step = i % 2 == 1
+            if name == "fb_then_eager_step":
+                compiled(model, x)
+                if do_step:
+                    opt.step()
+                    opt.zero_grad()
+            elif name == "step_when_told":
+                compiled(model, opt, x, do_step)
+            else:
+                compiled(model, opt, x)
+            loss_of(ddp, x).backward()  # all-reduces every micro-batch: the same sum
+            if do_step or name == "never_zeroed":
+                ref_opt.step()
+                if name != "never_zeroed":
+                    ref_opt.zero_grad()
+        out[name] = max(float((p - q).abs().max())
+                        for p, q in zip(model.parameters(), ddp.module.parameters()))
+    return out
+
+
+def test_accumulation_through_dynamo_matches_ddp(rank_pool):
+    for result in rank_pool.run(_dynamo_job):
+        for case, diff in result.items():
+            assert diff < 1e-5, f"{case}: max parameter difference {diff} vs DDP"

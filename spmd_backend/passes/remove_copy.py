@@ -25,8 +25,9 @@ in-place variant is replaced by it, mutating its first argument(s) directly, whe
   update that only happens to be placed before an independent collective is still made, as
   before: the runtime snapshots what it writes.)
 
-uses of its results are redirected to the mutated elements, and write-backs that became
-``copy_(x, x)`` are removed. What ends up in the real parameters and optimizer state is
+uses of its results are redirected to the mutated elements (a write-back's own users, such as
+the graph output AOTAutograd returns a mutated input through, get its destination: ``copy_``
+returns it), and write-backs that became ``copy_(x, x)`` are removed. What ends up in the real parameters and optimizer state is
 unchanged; the graph loses the extra allocations and copies, and each optimizer update becomes
 a node that can be moved or split. A graph with no such pattern is a logged no-op.
 
@@ -207,6 +208,7 @@ def remove_copy_from_optimizer(gm: object) -> None:
             for r in results:
                 for user in list(r.users):
                     if ops.is_copy_(user) and user.args[0] is elem:
+                        user.replace_all_uses_with(elem)  # copy_ returns its destination
                         graph.erase_node(user)
                 r.replace_all_uses_with(elem)
         for u in list(node.users):  # fused: the per-list getitems, now unused

@@ -156,3 +156,27 @@ def test_no_in_place_write_to_a_shard_an_all_gather_still_sends(foreach):
                 first = n.args[0] if isinstance(n.args[0], torch.fx.Node) else None
                 assert first is None or alias_root(first) is not sent, n.format_node()
     assert inplace  # the rest of the update is still in place between issue and wait
+
+
+def test_write_back_returned_by_the_graph_becomes_its_destination():
+    """AOTAutograd returns a mutated input (``.grad`` accumulated across calls through the
+    Dynamo door) as the ``copy_`` that wrote it; the pass erased that copy while the output
+    still used it and crashed. Re-inplaced, the output is the destination itself."""
+    import torch.fx as fx
+
+    from spmd_backend.graph.meta import Phase, annotate
+
+    graph = fx.Graph()
+    old, new = graph.placeholder("grad"), graph.placeholder("contribution")
+    total = graph.call_function(aten.add.Tensor, (old, new))
+    written = graph.call_function(aten.copy_.default, (old, total))
+    graph.output((written,))
+    for node in (old, new, total, written):
+        node.meta["val"] = torch.empty(3)
+    for node in (total, written):
+        annotate(node, fqn=None, phase=Phase.OPTIMIZER)
+    gm = reinplace(fx.GraphModule(torch.nn.Module(), graph))
+    FileCheck().check("aten.add_.Tensor").check_not("aten.copy_").run(gm.code)
+    g, c = torch.ones(3), torch.full((3,), 2.0)
+    (out,) = gm(g, c)
+    assert out is g and torch.equal(g, torch.full((3,), 3.0))
