@@ -210,7 +210,7 @@ def spmd_dynamo_backend(
     if whole_step:
         marked = graphs.mark_gradients(gm, inputs)
         counters["spmd"]["whole_step_graphs"] += 1
-        log.info('backend="spmd": whole-step graph with %d gradient(s)', marked)
+        log.info('backend="spmd": whole-step graph with %d gradient(s)', len(marked))
     elif any(p.requires_grad for p in inputs.params.values()):
         counters["spmd"]["per_graph_graphs"] += 1
         if counters["spmd"]["fallback_logged"] == 0:
@@ -222,8 +222,22 @@ def spmd_dynamo_backend(
                 "a logging call is one) lets one graph hold the whole step", _fallback_reason(),
             )
     compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=whole_step)
+    if whole_step and marked:
+        compiled = _marking_reduced(compiled, [inputs.params[i] for i in dict.fromkeys(marked)])
     release_freed_heap()  # what tracing and compiling freed, back to the OS
     return compiled
+
+
+def _marking_reduced(compiled: Any, params: list[torch.Tensor]) -> Any:
+    """``compiled`` (a whole-step graph) telling the audit, after each call, that it reduced
+    ``params``' gradients: where a graph break splits the step after ``loss.backward()``
+    (``if loss.item() < x: optimizer.step()``), the optimizer-step graph then steps on them."""
+    def run(*args: Any) -> Any:
+        out = compiled(*args)
+        audit.mark_reduced_in_graph(params)
+        return out
+
+    return run
 
 scope.mark_whole_step(spmd_dynamo_backend)
 

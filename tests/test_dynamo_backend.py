@@ -66,6 +66,47 @@ def test_zero_grad_before_the_forward_matches_ddp(rank_pool, model):
     assert result.dynamo["per_graph_graphs"] == 0, result.dynamo
 
 
+def _decision_between_backward_and_step_job(rank: int, world: int, kind: str) -> float:
+    """A Python decision after ``loss.backward()`` (``if loss.item() < x`` or ``if
+    torch.isfinite(norm)``) breaks the graph there: a whole-step graph up to the backward, an
+    optimizer-step graph after it. The audit wrongly refused the second (the first had reduced
+    the gradients but did not say so)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    ddp = DDP(copy.deepcopy(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+
+    def step(model, opt, x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        if kind == "item":
+            if loss.item() < 100.0:  # the same on both ranks here
+                opt.step()
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if torch.isfinite(norm):
+                opt.step()
+        return loss
+
+    compiled = torch.compile(step, backend="spmd", options=FAST)
+    for i in range(4):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * i + rank))
+        compiled(model, opt, x)
+        step(ddp, ref_opt, x)
+    return max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["item", "isfinite"])
+def test_decision_between_backward_and_step_matches_ddp(rank_pool, kind):
+    for diff in rank_pool.run(_decision_between_backward_and_step_job, kind):
+        assert diff < 1e-5, diff
+
+
 @pytest.mark.parametrize("model", ["batchnorm", "unused"])
 def test_models_ddp_handles(rank_pool, model):
     result = rank_pool.run(check_ddp_parity, _dynamo(model, SGD_MOMENTUM))[0]

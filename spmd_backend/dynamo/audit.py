@@ -8,7 +8,8 @@ runs), so it costs nothing in whole-step mode. :func:`watch` gives each paramete
 many reduced gradients are pending, whether any was reduced since the last optimizer step)
 lives in the hook object itself, found again through the parameter's hook dict: no process-wide
 table. A compiled backward graph that reduced a parameter's gradient calls
-:func:`mark_reduced`; a gradient accumulated without a pending reduction raises
+:func:`mark_reduced` (a whole-step graph that stops before the optimizer step:
+:func:`mark_reduced_in_graph`); a gradient accumulated without a pending reduction raises
 :class:`~spmd_backend.errors.SpmdUsageError` during ``backward()``, and
 :func:`check_before_step` raises before an optimizer-step graph uses a gradient that no compiled
 backward reduced.
@@ -60,6 +61,16 @@ def mark_reduced(params: Iterable[torch.Tensor]) -> None:
         audit = _audit_of(p)
         if audit is not None:
             audit.pending += 1
+            audit.reduced_since_step = True
+
+
+def mark_reduced_in_graph(params: Iterable[torch.Tensor]) -> None:
+    """A whole-step graph without the optimizer (a graph break between ``loss.backward()`` and
+    ``optimizer.step()``) just wrote reduced gradients into ``params``' ``.grad`` (no
+    AccumulateGrad runs, so nothing is pending)."""
+    for p in params:
+        audit = _audit_of(p)
+        if audit is not None:
             audit.reduced_since_step = True
 
 

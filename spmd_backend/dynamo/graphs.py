@@ -137,12 +137,13 @@ def autograd_grad_calls(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is torch.autograd.grad]
 
 
-def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> int:
+def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> list[int]:
     """``grad_ready(g, fqn)`` after each ``getitem(torch.autograd.grad(...), i)`` whose input
-    ``i`` is a parameter (an unused parameter's gradient is None: no marker)."""
+    ``i`` is a parameter (an unused parameter's gradient is None: no marker); returns the
+    placeholder indices of the parameters marked (once per gradient)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = {p: i for i, p in enumerate(placeholders)}
-    count = 0
+    marked: list[int] = []
     for call in autograd_grad_calls(gm.graph):
         wrt = call.args[1] if len(call.args) > 1 else call.kwargs.get("inputs")
         for user in list(call.users):
@@ -155,10 +156,10 @@ def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> int:
                 marker = gm.graph.call_function(GRAD_READY, (user, inputs.fqns[i]))
             user.replace_all_uses_with(marker, delete_user_cb=lambda n, m=marker: n is not m)
             marker.meta["example_value"] = user.meta["example_value"]
-            count += 1
+            marked.append(i)
     gm.graph.lint()
     gm.recompile()
-    return count
+    return marked
 
 
 def functionalize_fused_optimizers(gm: fx.GraphModule) -> int:
