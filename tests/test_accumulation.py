@@ -109,6 +109,36 @@ def _job(rank: int, world: int, reduce_op: str) -> dict[str, float]:
         keep_grads(model, opt, x)
         ddp_accumulate(ddp, ref_opt, [x])
     out["zeroed_grads"] = max_diff(model, ref)
+
+    # 4. the step reads the gradient between two backward calls (a norm it returns): that read
+    #    sees the reduced gradient, as with DDP, and the second contribution is reduced alone
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    @spmd_backend.compile(parallel_mode=mode)
+    def read_between(model, optim, xs):
+        loss_of(model, xs[0]).backward()
+        norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+        loss_of(model, xs[1]).backward()
+        optim.step()
+        optim.zero_grad()
+        return norm
+
+    ref, ref_opt, ddp = ddp_reference()
+    for i in range(0, 6, 2):
+        norm = read_between(model, opt, batches[i : i + 2])
+        loss_of(ddp, batches[i]).backward()  # DDP reduces each backward (no no_sync)
+        ref_norm = torch.stack([p.grad.norm() for p in ref.parameters()]).norm()
+        if reduce_op == "sum":
+            ref_norm = ref_norm * world
+        loss_of(ddp, batches[i + 1]).backward()
+        if reduce_op == "sum":
+            for p in ref.parameters():
+                p.grad *= world
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["read_between_norm"] = max(out.get("read_between_norm", 0.0), float((norm - ref_norm).abs()))
+    out["read_between"] = max_diff(model, ref)
     return out
 
 

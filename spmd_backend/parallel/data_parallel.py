@@ -9,7 +9,8 @@ optionally, ``buffer_sync`` markers) and an initialized default process group. G
   is the same number (:func:`scales_after_sum`: a power-of-two world, fp32/fp64/bf16), the sum
   times ``1 / world`` just before the gradient's first reader; a parameter
   whose gradient is accumulated over several backward calls is reduced once, at its last
-  accumulation. Parameters without a gradient get no collective (DDP with
+  accumulation, unless the step reads an intermediate gradient (SAM): that one is reduced
+  where it stands and later contributions are reduced alone (:func:`_reduce_chain`). Parameters without a gradient get no collective (DDP with
   ``find_unused_parameters`` leaves them untouched as well);
 * every ``grad_contribution(g, fqn)`` marker (a contribution added to a ``.grad`` that an
   earlier call already reduced) becomes ``wait_tensor(all_reduce(g, op, group))`` of its own:
@@ -46,9 +47,11 @@ from spmd_backend.graph.utils import fake_mode_of, node_order, propagate_val
 from spmd_backend.parallel.collectives import add_collective, add_compressed_all_reduce
 from spmd_backend.parallel.gloo_all_gather import backend_is_gloo
 from spmd_backend.parallel.shard_expansion import expand_shard_markers
+from spmd_backend.tracing.markers import GRAD_CONTRIBUTION
 
 log = logging.getLogger(__name__)
 
+aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 _REDUCE_OPS = ("sum", "avg")
 _COMPRESSION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -305,6 +308,73 @@ def _insert_finite_check(graph: fx.Graph, wait: fx.Node) -> None:
         annotate(n, fqn=wait.meta.get("spmd_fqn"), phase=Phase.COMM)
 
 
+@dataclass(frozen=True)
+class _Chain:
+    """What :func:`_reduce_chain` made of one parameter's ``grad_ready`` markers."""
+
+    #: markers to expand into an all_reduce each
+    reduced: list[fx.Node]
+    #: the parameter's final gradient marker, when it is among ``reduced``
+    last: fx.Node | None
+    #: markers folded into a later one (reduced once, with the total)
+    merged: int
+
+
+def _accumulation(marker: fx.Node, nxt: fx.Node | None) -> fx.Node | None:
+    """The ``add`` that accumulates a later backward's gradient onto ``marker``'s on the way to
+    ``nxt`` (the parameter's next marker), or None (``nxt`` starts afresh: a ``zero_grad``
+    between the backward calls, or there is no later one)."""
+    src = nxt.args[0] if nxt is not None else None
+    if isinstance(src, fx.Node) and src.target is aten.add.Tensor and marker in src.args[:2]:
+        return src
+    return None
+
+
+def _reduce_chain(graph: fx.Graph, markers: list[fx.Node], contributions: list[fx.Node]) -> _Chain:
+    """Which of one parameter's ``grad_ready`` markers (in graph order) are reduced.
+
+    A gradient accumulated over several backward calls is reduced once, with the total, unless
+    the step reads an intermediate gradient (SAM's perturbation from the first backward, a
+    norm logged between two backward calls): DDP reduces every backward's gradient, so that
+    reader must see the reduced value. Such a marker is reduced where it stands, and every
+    later contribution accumulated onto it becomes a ``grad_contribution`` of its own (reduced
+    alone, so ``sum`` never multiplies the reduced part again) whose accumulated result needs
+    no further reduction."""
+    reduced: list[fx.Node] = []
+    last: fx.Node | None = None
+    merged = 0
+    base_reduced = False  # the gradient flowing into this marker already holds reduced values
+    previous: fx.Node | None = None  # what stands for the previous marker's value now
+    for i, m in enumerate(markers):
+        nxt = markers[i + 1] if i + 1 < len(markers) else None
+        acc = _accumulation(m, nxt)
+        if base_reduced:
+            add = m.args[0]
+            new = add.args[1] if add.args[0] is previous else add.args[0]
+            with graph.inserting_after(new):
+                contribution = graph.call_function(GRAD_CONTRIBUTION, (new, m.args[1]))
+            inherit(contribution, m)
+            contribution.meta["val"] = new.meta.get("val")
+            add.replace_input_with(new, contribution)
+            contributions.append(contribution)
+            m.replace_all_uses_with(add)
+            graph.erase_node(m)
+            base_reduced, previous = acc is not None, add
+            continue
+        observed = any(u is not acc for u in m.users)
+        if nxt is None or observed:
+            reduced.append(m)
+            if nxt is None:
+                last = m
+            base_reduced, previous = acc is not None, m
+        else:  # accumulated again later, read by nothing else: reduce the total once
+            previous = m.args[0]
+            m.replace_all_uses_with(previous)
+            graph.erase_node(m)
+            merged += 1
+    return _Chain(reduced, last, merged)
+
+
 def expand_data_parallel(
     gm: fx.GraphModule, mode: DataParallel, *, recompile: bool = True
 ) -> ExpansionReport:
@@ -324,17 +394,17 @@ def expand_data_parallel(
 
     merged = 0
     to_reduce: list[fx.Node] = []
-    for markers in grad_markers.values():
-        *earlier, last = markers
-        for m in earlier:  # accumulated again later: reduce the total once
-            m.replace_all_uses_with(m.args[0])
-            graph.erase_node(m)
-            merged += 1
-        to_reduce.append(last)
+    last_ready: dict[str, fx.Node] = {}
+    for fqn, markers in grad_markers.items():
+        chain = _reduce_chain(graph, markers, contributions)
+        merged += chain.merged
+        to_reduce.extend(chain.reduced)
+        if chain.last is not None:
+            last_ready[fqn] = chain.last
     world = mode.process_group().size()
     compression = mode.compression(world)
     shards = expand_shard_markers(
-        graph, {str(m.args[1]): m for m in to_reduce}, reduce_op=mode.reduce_op,
+        graph, last_ready, reduce_op=mode.reduce_op,
         group_name=group_name, allow_reduce_scatter=_reduce_scatters(mode, graph),
         compression=compression,
     )

@@ -6,7 +6,9 @@ greedily in readiness order (graph order) into buckets; per (group, op, dtype, d
 bucket closes once it holds >= 1 MiB, later ones once they hold >= ``bucket_size_mb`` MiB (bytes from each gradient's real
 dtype and shape); a bucket never mixes process groups, reduce ops, dtypes or devices. Each
 bucket becomes flatten -> cat -> one all_reduce -> wait -> split -> a view per gradient, placed
-where its last gradient becomes ready, so the relative order of collectives is kept. New nodes
+where its last gradient becomes ready, so the relative order of collectives is kept (a bucket
+closes early where a member's reduced gradient is read before the next gradient exists: SAM
+reads the first backward's gradients before its second backward). New nodes
 are named by fx (``all_reduce_default``, ``all_reduce_default_1``, ...), carry ``meta["val"]``,
 the ``comm`` phase and ``meta["spmd_bucket_params"]`` (the parameter FQNs they carry).
 Compressed collectives (``DataParallel(gradient_compression=...)``: cast, pre-divide, sum, cast
@@ -171,6 +173,9 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float, shard_buckets: bool | N
     planned: list[Bucket] = []
     closed: set[tuple] = set()  # keys whose first (1 MiB) bucket is closed, as in DDP
     alone = 0
+    order = node_order(graph)
+    #: per open bucket: where the first reader of any member's reduced gradient stands
+    first_read: dict[tuple, int] = {}
     for block in get_all_comm_blocks(graph, ops.is_collective):
         keyed = _bucket_key(block)
         if keyed is not None and standalone(*keyed, standalone_mb):
@@ -180,7 +185,20 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float, shard_buckets: bool | N
             continue
         key, nbytes = keyed
         members = open_buckets.setdefault(key, [])
+        if members and key[0] != "all_gather" \
+                and first_read.get(key, len(order)) < order[block.comm_node]:
+            # a member's reduced gradient is read before this gradient exists (SAM reads the
+            # first backward's gradients before the second backward): the bucket, placed at
+            # its last member's collective, must end before that reader (an all_gather bucket
+            # is placed after its last shard instead, and checked by _shard_anchor)
+            planned.append(_bucket(members, sizes[key], key))
+            members = open_buckets[key] = []
+            sizes[key] = 0
+            first_read.pop(key, None)
         members.append(block)
+        readers = [order[u] for o in block.outputs for u in o.users if u in order]
+        if readers:
+            first_read[key] = min(first_read.get(key, len(order)), *readers)
         sizes[key] = sizes.get(key, 0) + nbytes
         limit = cap if key in closed else FIRST_BUCKET_BYTES
         if sizes[key] >= limit:
@@ -188,6 +206,7 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float, shard_buckets: bool | N
             planned.append(_bucket(members, sizes[key], key))
             open_buckets[key] = []
             sizes[key] = 0
+            first_read.pop(key, None)
     for key, members in open_buckets.items():
         if members:
             planned.append(_bucket(members, sizes[key], key))
@@ -197,7 +216,6 @@ def plan_buckets(graph: fx.Graph, bucket_size_mb: float, shard_buckets: bool | N
     if alone:
         log.debug("plan_buckets: %d gradients of >= %s MiB stay alone (reduced in place)",
                   alone, standalone_mb)
-    order = node_order(graph)
     return sorted(planned, key=lambda b: order[b.blocks[-1].comm_node])
 
 

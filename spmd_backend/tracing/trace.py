@@ -39,6 +39,7 @@ from spmd_backend.graph.utils import lazy_graph_modules
 from spmd_backend.tracing.annotate import ModuleAnnotator, annotate_optimizer_fqns
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
 from spmd_backend.tracing.binding import StepBinding
+from spmd_backend.tracing.data_assignment import data_assignment_as_copy
 from spmd_backend.tracing.dispatch import TraceContext
 from spmd_backend.tracing.errors import trace_error
 from spmd_backend.tracing.finish import finish_graph
@@ -114,7 +115,7 @@ def trace_train_step(
         with swapped_submodules(binding.module, overrides), \
                 torch.fx.traceback.preserve_node_meta(), lazy_graph_modules(), \
                 annotator.active(), torch.compiler._non_strict_tracing_context(), compiling(), \
-                refuse_scheduler_steps():
+                refuse_scheduler_steps(), data_assignment_as_copy():
             if symbolic is None:
                 gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
                     *[t.detach() for t in real_inputs]
