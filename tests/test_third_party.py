@@ -1,5 +1,6 @@
 """Parity with DDP on models nobody here wrote: transformers GPT-2, BERT and T5 with padded
-attention masks (random init, tiny configs) and torch's ``nn.TransformerEncoder``, trained with
+attention masks (random init, tiny configs), torch's ``nn.TransformerEncoder`` and its recurrent
+layers (``nn.LSTM``, a bidirectional ``nn.GRU``), trained with
 ``AdamW`` as users write it (torch's default implementation) and an LR schedule, 2 gloo ranks.
 
 Batches depend on the rank, so a compiled step without gradient collectives diverges from DDP
@@ -20,10 +21,21 @@ pytest.importorskip("transformers")
 ADAMW = OptimSpec("adamw", "default", lr=1e-3, weight_decay=0.01, scheduler=True)
 
 
-@pytest.mark.parametrize("model", ["hf_gpt2", "hf_bert", "hf_t5", "torch_encoder"])
+@pytest.mark.parametrize("model", ["hf_gpt2", "hf_bert", "hf_t5", "torch_encoder", "torch_recurrent"])
 def test_third_party_parity(rank_pool, model):
     result = rank_pool.run(check_ddp_parity, ParityCase(model, ADAMW, steps=6, reduce_op="avg"))[0]
     assert result.losses[0] != result.losses[-1], "the model did not train"
+
+
+def test_recurrent_layers_through_dynamo(rank_pool):
+    """nn.LSTM/GRU: Dynamo breaks the graph at them unless ``allow_rnn`` (then the gradient
+    audit refused the eager backward), and with oneDNN on they trace into ``mkldnn_rnn_layer``,
+    whose backward failed at run time for want of a workspace; both doors trace them with
+    oneDNN off (the compile door failed the same way before)."""
+    case = ParityCase("torch_recurrent", ADAMW, steps=4, reduce_op="avg",
+                      dynamo_options={"inductor": False}, zero_grad_first=True)
+    result = rank_pool.run(check_ddp_parity, case)[0]
+    assert result.dynamo["graph_breaks"] == 0 and result.dynamo["per_graph_graphs"] == 0, result.dynamo
 
 
 def test_third_party_parity_fails_without_collectives(rank_pool):

@@ -7,7 +7,10 @@ scheduler's wrapper around ``step`` (see ../shared/TORCH_2_13_NOTES.md, "Dynamo 
 capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step_scope`:
 
 * sets ``torch._dynamo.config.trace_autograd_ops`` (``loss.backward()`` becomes
-  ``torch.autograd.grad`` in the graph);
+  ``torch.autograd.grad`` in the graph) and ``allow_rnn`` (``nn.LSTM``/``GRU`` are traced
+  instead of breaking the graph), with oneDNN off while the frame is traced and compiled (the
+  recurrent layers' oneDNN kernels fail their backward when traced, see
+  ``tracing.trace.compiling``);
 * makes the optimizer wrapper's ``graph_break()`` a no-op, inlines the ``disable()``-wrapped
   ``zero_grad`` and ``_init_group`` instead of skipping them, and traces ``_init_group`` rather
   than running it eagerly on the real (not yet updated) ``.grad``;
@@ -393,7 +396,8 @@ def whole_step_scope() -> Iterator[None]:
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     _state["active"] += 1
     try:
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with torch._dynamo.config.patch(trace_autograd_ops=True, allow_rnn=True), \
+                torch.backends.mkldnn.flags(enabled=False):
             for owner, name, fn in patches:
                 setattr(owner, name, fn)
             yield

@@ -99,6 +99,32 @@ def _encoder_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return (out * keep).pow(2).mean()
 
 
+class _Recurrent(nn.Module):
+    """torch's recurrent layers as a sequence classifier: an embedding with a padding index, a
+    two-layer LSTM and a bidirectional GRU over its outputs, a head on the last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16, padding_idx=0)
+        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(32, 16, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.emb(input_ids))
+        out, _ = self.gru(out)
+        return self.head(out[:, -1])
+
+
+def _recurrent_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids, _ = _padded_tokens(gen)
+    return {"input_ids": ids}
+
+
+def _recurrent_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).pow(2).mean()
+
+
 def _key_bias(name: str, param: torch.Tensor) -> Any:
     """Attention key biases get a zero gradient (softmax ignores a per-query constant)."""
     if name.endswith("attention.self.key.bias"):  # BERT
@@ -115,4 +141,6 @@ THIRD_PARTY_MODELS: dict[str, ModelEntry] = {
     "hf_t5": ModelEntry(build=_t5, batch=_t5_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
     "torch_encoder": ModelEntry(build=_encoder, batch=_encoder_batch, loss_fn=_encoder_loss,
                                 zero_gradient=_key_bias),
+    "torch_recurrent": ModelEntry(build=_Recurrent, batch=_recurrent_batch,
+                                  loss_fn=_recurrent_loss),
 }

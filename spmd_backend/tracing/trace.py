@@ -77,11 +77,19 @@ def compiling() -> Iterator[None]:
     recompute, which would leave module trackers (ours, ModTracker) unbalanced. Early stop only
     saves recompute work, which dead-code elimination removes from the graph anyway, so it is
     turned off for the trace.
+
+    oneDNN (mkldnn) is off while tracing: with it, ``nn.LSTM``/``GRU`` trace into
+    ``mkldnn_rnn_layer`` whose fake kernel returns a workspace tensor the real one leaves
+    undefined, so the backward failed at run time ("Expected a proper Tensor but got None for
+    argument 'workspace'"). Without it they trace into plain aten ops. Only the ops a composite
+    chooses at trace time change: a convolution is recorded as ``aten.convolution`` either way
+    and still runs on oneDNN at run time.
     """
     saved = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False), \
+                torch.backends.mkldnn.flags(enabled=False):
             yield
     finally:
         torch.compiler._is_compiling_flag = saved
