@@ -175,6 +175,13 @@ def main() -> None:
             with open(os.path.join(args.out, "bench.md"), "w") as f:
                 f.write(table + "\n")
             print(f"wrote {pictures} and {os.path.join(args.out, 'bench.md')}")
+    # torch 2.13: loss.backward() stashes a Python object in the thread-local state that the
+    # gloo work DDP launches from the backward captures; a ProcessGroupGloo destroyed while a
+    # worker thread still releases such a work deadlocks (the destructor joins the thread with
+    # the GIL held, the thread waits for the GIL). Drop DDP (it holds the group) and let the
+    # workers drain on a barrier before the group goes.
+    del ddp_model, ddp_optim
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -10,8 +10,9 @@ optionally, ``buffer_sync`` markers) and an initialized default process group. G
   times ``1 / world`` just before the gradient's first reader; a parameter
   whose gradient is accumulated over several backward calls is reduced once, at its last
   accumulation, unless the step reads an intermediate gradient (SAM): that one is reduced
-  where it stands and later contributions are reduced alone (:func:`_reduce_chain`). Parameters without a gradient get no collective (DDP with
-  ``find_unused_parameters`` leaves them untouched as well);
+  where it stands and later contributions are reduced alone (:func:`_reduce_chain`).
+  Parameters without a gradient get no collective (DDP with ``find_unused_parameters`` leaves
+  them untouched as well);
 * every ``grad_contribution(g, fqn)`` marker (a contribution added to a ``.grad`` that an
   earlier call already reduced) becomes ``wait_tensor(all_reduce(g, op, group))`` of its own:
   only new contributions are reduced, so accumulation across calls under ``sum`` never
