@@ -178,9 +178,7 @@ def main() -> None:
     # torch 2.13: loss.backward() stashes a Python object in the thread-local state that the
     # gloo work DDP launches from the backward captures; a ProcessGroupGloo destroyed while a
     # worker thread still releases such a work deadlocks (the destructor joins the thread with
-    # the GIL held, the thread waits for the GIL). Drop DDP (it holds the group) and let the
-    # workers drain on a barrier before the group goes.
-    del ddp_model, ddp_optim
+    # the GIL held, the thread waits for the GIL). Let the workers drain on a barrier first.
     dist.barrier()
     dist.destroy_process_group()
 
