@@ -29,6 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from spmd_backend.graph.meta import Phase, annotate
 from spmd_backend.tracing.fused_optim import INPLACE_TO_FUNCTIONAL, functional_fused_step
 
+#: the symbolic Python numbers a traced ``.item()`` returns
+SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
 
 @dataclass
 class TraceContext:
@@ -85,9 +88,7 @@ class TraceMode(TorchDispatchMode):
             out = None
         else:
             out = func(*args, **kwargs)
-        if func is torch.ops.aten._local_scalar_dense.default and isinstance(
-            out, (torch.SymInt, torch.SymFloat, torch.SymBool)
-        ):
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(out, SYM_TYPES):
             self.ctx.items[out.node.expr] = args[0]
         if graph is not None and last is not None:
             node = last.next

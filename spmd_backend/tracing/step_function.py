@@ -43,7 +43,7 @@ from torch.nn.utils import stateless
 
 from spmd_backend.errors import SpmdTraceError, SpmdUsageError
 from spmd_backend.tracing.binding import StepBinding
-from spmd_backend.tracing.dispatch import TraceContext, TraceMode
+from spmd_backend.tracing.dispatch import SYM_TYPES, TraceContext, TraceMode
 from spmd_backend.tracing.grad_scaler import SkipFlag, grad_scalers_swapped
 from spmd_backend.tracing.hyperparams import HyperSlot
 from spmd_backend.tracing.layout import InputGroups, StepLayout
@@ -93,12 +93,9 @@ def _is_inference_cache(leaf: Any) -> bool:
     return any(c.__name__ == "Cache" and "transformers" in c.__module__ for c in type(leaf).__mro__)
 
 
-_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
 def _item_source(leaf: Any, items: dict[Any, torch.Tensor]) -> torch.Tensor | None:
     """The tensor whose ``.item()`` the step returned as ``leaf``, if it did."""
-    if isinstance(leaf, _SYM_TYPES):
+    if isinstance(leaf, SYM_TYPES):
         return items.get(leaf.node.expr)
     return None
 
@@ -115,7 +112,7 @@ def _output_leaf(leaf: Any, path: str) -> Any:
             "model to skip computing it)", type(leaf).__name__, path,
         )
         return None
-    if isinstance(leaf, _SYM_TYPES):
+    if isinstance(leaf, SYM_TYPES):
         raise SpmdUsageError(
             f"spmd_backend.compile: the train step returned a Python number computed from a "
             f"tensor's value at {path} (arithmetic on .item()); return the tensor (or the "
