@@ -253,10 +253,11 @@ class CompiledTrainStep:
             shard=self._shard_spec if binding.optimizer is not None else None,
         )
         self.trace_count += 1
-        after = dataclasses.replace(key, modules=module_state(binding.modules))
+        after = dataclasses.replace(key, modules=module_state(binding.modules),
+                                    free_values=binding.free_values())
         if after != key:  # the step itself changed what the key holds: it will not replay that
             log.warning(
-                "spmd_backend: tracing %s changed the module it runs (%s); the compiled graph "
+                "spmd_backend: tracing %s changed what it reads (%s); the compiled graph "
                 "does not repeat Python side effects, so the next call retraces", self._name,
                 key.explain(after, binding),
             )

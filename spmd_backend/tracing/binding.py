@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd_backend.errors import SpmdUsageError
+from spmd_backend.tracing.free_values import free_values
 from spmd_backend.tracing.hyperparams import HyperSlot, lifted_slots
 from spmd_backend.tracing.key import (
     StepKey,
@@ -84,6 +85,8 @@ class StepBinding:
     #: objects besides the module and optimizer whose tensors the step uses (GradScalers)
     aux_objects: list[Any] = field(default_factory=list)
     batch_dim_dynamic: bool = False
+    #: the step function (its globals and closure are part of the key)
+    fn: Any = None
 
     @classmethod
     def from_call(
@@ -127,6 +130,7 @@ class StepBinding:
             unfused_groups=unfused_groups,
             aux_objects=find_grad_scalers(flat, fn),
             batch_dim_dynamic=batch_dim_dynamic,
+            fn=fn,
         )
 
     # ------------------------------------------------------------------ derived views
@@ -167,6 +171,12 @@ class StepBinding:
         if isinstance(leaf, torch.optim.Optimizer):
             return ("optimizer", id(leaf))
         return ("const", hashable(leaf))
+
+    def free_values(self) -> tuple:
+        """The plain values the step function reads from outside its arguments."""
+        if self.fn is None:
+            return ()
+        return free_values(self.fn, {id(m) for _, m in self.modules})
 
     def key(self) -> StepKey:
         opt = self.optimizer
@@ -210,6 +220,7 @@ class StepBinding:
                 for i, o in enumerate(self.aux_objects)
             ),
             context=global_context(),
+            free_values=self.free_values(),
         )
 
 

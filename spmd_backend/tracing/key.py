@@ -8,8 +8,10 @@ A compiled step is valid only for the facts its trace depended on. Those facts a
   optimizer state's structure, the argument tree's structure, every module's mode and plain
   attributes and hooks (``model.eval()``, ``model.gradient_checkpointing_enable()``, a new
   forward hook), the optimizer's hooks, defaults and plain attributes (a custom optimizer's
-  Python counter), and the process-wide flags that change
-  what gets traced (grad mode, autocast, deterministic algorithms, default dtype, SDPA backends).
+  Python counter), the process-wide flags that change
+  what gets traced (grad mode, autocast, deterministic algorithms, default dtype, SDPA backends),
+  and the plain values the step function reads from its globals and closure
+  (:mod:`~spmd_backend.tracing.free_values`: a global loss scale, ``args.clip``).
 * :class:`Guard` values are what the trace was seen to *read*: non-lifted optimizer
   hyper-parameters (``eps``, ``amsgrad``, ...) and non-tensor entries of argument dicts. A value
   the step never read (a dataset's ``idx``) is in neither, so changing it reuses the graph.
@@ -261,6 +263,9 @@ class StepKey:
     modules: tuple
     aux: tuple
     context: tuple
+    #: ``(label, value)`` of the plain values the step function reads from its globals, closure
+    #: and the objects they hold (see :mod:`spmd_backend.tracing.free_values`)
+    free_values: tuple = ()
 
     def explain(self, other: StepKey, binding: Any = None) -> str:
         """A one-line reason why ``other`` (the new call) cannot reuse this key's graph."""
@@ -416,6 +421,17 @@ def _explain_groups(old: tuple, new: tuple, binding: Any) -> str | None:
     return None
 
 
+def _explain_free_values(old: tuple, new: tuple, binding: Any) -> str | None:
+    a, b = dict(old), dict(new)
+    for label in [*a, *(k for k in b if k not in a)]:
+        if a.get(label, "<unset>") != b.get(label, "<unset>"):
+            return (
+                f"{label} changed from {fmt(a.get(label, '<unset>'))} to "
+                f"{fmt(b.get(label, '<unset>'))}"
+            )
+    return None
+
+
 _EXPLAIN = {
     "params": _explain_tensors("params"),
     "grads": _explain_tensors("grads"),
@@ -426,4 +442,5 @@ _EXPLAIN = {
     "optimizer_attrs": _explain_optimizer_attrs,
     "context": _explain_context,
     "groups": _explain_groups,
+    "free_values": _explain_free_values,
 }

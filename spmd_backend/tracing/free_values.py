@@ -1,0 +1,200 @@
+"""The Python values a train-step function reads from outside its arguments.
+
+A compile-door trace runs the step's Python once; every plain value it reads from a global, a
+closure variable or an attribute of such an object (``clip``, ``args.accum_steps``,
+``cfg.train.label_smoothing``) is baked into the graph. Changing one between calls must retrace,
+or the replay trains with the old value (it did: a global loss scale changed after two calls was
+ignored). :func:`free_values` lists those values, with a label that says where each lives, for
+the step key (:class:`~spmd_backend.tracing.key.StepKey`).
+
+Which values: the names the step's code mentions (``co_names`` and free variables, nested code
+included), looked up in its globals and closure cells; objects reached that way are followed
+into their own ``vars()`` entries whose names the code also mentions (``cfg.clip``: both names
+appear), classes and Python modules likewise, up to :data:`MAX_DEPTH` attributes deep; Python
+functions of the user's code (not torch's, not the standard library's, not installed
+packages') that the step calls are read the same way, as are a bound method's ``self``. A
+module other than the one the step is bound to (a global ``criterion = nn.CrossEntropyLoss(...)``)
+contributes its modes and plain attributes.
+
+What it does not follow: mutable containers (a global list the step appends its losses to
+would retrace every call), tensors (a captured tensor is the trace's business), the bound
+module and optimizer, GradScalers and schedulers (keyed elsewhere). Only ``vars()`` is read,
+never ``getattr``, so properties and ``__getattr__`` never run.
+
+Guarantees: pure (reads, never writes), deterministic order, cost proportional to the names
+the step's code mentions (the code analysis is cached per code object).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.amp import GradScaler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from spmd_backend.tracing.key import hashable, is_plain, module_state
+
+#: attribute hops followed from a global or closure variable (``cfg.train.clip`` is two)
+MAX_DEPTH = 3
+#: user functions followed from the step (helpers calling helpers)
+MAX_FUNCTIONS = 64
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this package
+    roots.add(os.path.dirname(os.path.abspath(torch.__file__)))
+    return tuple(sorted(os.path.abspath(r) + os.sep for r in roots if r))
+
+
+_LIBRARY_ROOTS = _library_roots()
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<frozen"):
+        return False
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    return not path.startswith(_LIBRARY_ROOTS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_names(code: types.CodeType) -> frozenset[str]:
+    """Every global/attribute name and free variable ``code`` and its nested code mention."""
+    names = set(code.co_names) | set(code.co_freevars)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return frozenset(names)
+
+
+def _is_user_module(mod: types.ModuleType) -> bool:
+    file = getattr(mod, "__file__", None)
+    return file is not None and _is_user_file(file)
+
+
+def _is_user_class(cls: type) -> bool:
+    mod = sys.modules.get(getattr(cls, "__module__", "") or "")
+    return mod is None or _is_user_module(mod) or mod.__name__ == "__main__"
+
+
+#: objects whose state the key covers elsewhere, or that a trace cannot bake in
+_SKIPPED = (torch.Tensor, torch.optim.Optimizer, GradScaler, LRScheduler, ReduceLROnPlateau)
+
+
+class _Walk:
+    def __init__(self, skip_modules: set[int]) -> None:
+        self.skip_modules = skip_modules
+        self.out: list[tuple[str, Any]] = []
+        self.seen: set[Any] = set()
+        self.functions = 0
+
+    def function(self, fn: Callable[..., Any], label: str, self_label: str | None = None,
+                 depth: int = 0) -> None:
+        """Read ``fn``'s globals and closure; a bound method's ``self`` is read like a global
+        (labelled ``self_label``, by default ``<label>.__self__``)."""
+        if isinstance(fn, types.MethodType):
+            code = getattr(fn.__func__, "__code__", None)
+            if isinstance(code, types.CodeType) and _is_user_file(code.co_filename):
+                self.value(self_label or f"{label}.__self__", fn.__self__, _code_names(code),
+                           depth)
+            fn = fn.__func__
+        if isinstance(fn, functools.partial):
+            for i, a in enumerate(fn.args):
+                self.value(f"{label} (partial argument {i})", a, frozenset(), MAX_DEPTH)
+            for k, a in fn.keywords.items():
+                self.value(f"{label} (partial argument {k})", a, frozenset(), MAX_DEPTH)
+            self.function(fn.func, label)
+            return
+        code = getattr(fn, "__code__", None)
+        if not isinstance(fn, types.FunctionType) or not isinstance(code, types.CodeType):
+            return
+        if id(fn) in self.seen or not _is_user_file(code.co_filename):
+            return
+        if self.functions >= MAX_FUNCTIONS:
+            return
+        self.seen.add(id(fn))
+        self.functions += 1
+        names = _code_names(code)
+        where = fn.__qualname__
+        glob = fn.__globals__
+        for name in sorted(names):
+            if name in glob:
+                self.value(f"global {name!r} (read by {where})", glob[name], names, 0)
+        for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # not yet assigned
+                continue
+            self.value(f"closure variable {var!r} of {where}", contents, names, 0)
+
+    def value(self, label: str, value: Any, names: frozenset[str], depth: int) -> None:
+        t = type(value)
+        if is_plain(value):
+            self.out.append((label, hashable(value)))
+            return
+        if t in (list, dict, set) or isinstance(value, _SKIPPED):
+            return
+        if isinstance(value, nn.Module):
+            if id(value) not in self.skip_modules and id(value) not in self.seen:
+                self.seen.add(id(value))
+                rows = module_state(list(value.named_modules()))[0]
+                self.out.append((label, tuple((name, attrs) for name, attrs, _ in rows)))
+            return
+        if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+            self.function(value, label)
+            return
+        # an object is read once per set of names: two functions may read different attributes
+        seen = (id(value), names)
+        if depth >= MAX_DEPTH or seen in self.seen:
+            return
+        if isinstance(value, types.ModuleType):
+            if not _is_user_module(value):
+                return
+        elif isinstance(value, type):
+            if not _is_user_class(value):
+                return
+        elif callable(value) and not hasattr(value, "__dict__"):
+            return
+        try:
+            attrs = vars(value)
+        except TypeError:
+            return
+        self.seen.add(seen)
+        for name in sorted(names & attrs.keys()):
+            self.value(f"{label}.{name}", attrs[name], names, depth + 1)
+        if isinstance(value, (types.ModuleType, type)) or not _is_user_class(t):
+            return
+        # an instance of a class of the user's: its class constants and the methods the code
+        # calls on it (``self.WEIGHT``, ``trainer.compute_loss(...)``)
+        for name in sorted(names - attrs.keys()):
+            attr = _class_attribute(t, name)
+            if isinstance(attr, types.FunctionType):
+                self.function(types.MethodType(attr, value), f"{label}.{name}", label, depth)
+            elif attr is not None and is_plain(attr):
+                self.out.append((f"{label}.{name}", hashable(attr)))
+
+
+def _class_attribute(cls: type, name: str) -> Any:
+    """``name`` as defined on ``cls`` or a base (without running descriptors)."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return None
+
+
+def free_values(fn: Callable[..., Any], skip_modules: set[int]) -> tuple[tuple[str, Any], ...]:
+    """``(label, hashable value)`` of each plain value ``fn`` reads from outside its arguments,
+    in a deterministic order; ``skip_modules`` holds the ids of modules keyed elsewhere."""
+    walk = _Walk(skip_modules)
+    walk.function(fn, getattr(fn, "__qualname__", "the step"))
+    return tuple(walk.out)
