@@ -33,6 +33,24 @@ class Settings:
     WEIGHT = 1.0
 
 
+GATE = True
+
+
+class GatedNet(nn.Module):
+    """A model of the user's whose forward reads a module-level flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.fc2(self._hidden(x))
+
+    def _hidden(self, x):
+        h = self.fc1(x)
+        return torch.relu(h) if GATE else torch.tanh(h)
+
+
 def global_step(model, opt, x):
     loss = model(x).pow(2).mean() * LOSS_SCALE
     loss.backward()
@@ -110,10 +128,10 @@ def retraces(caplog):
     return [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
 
 
-def run_against_eager(fn, change, calls=4, change_at=2, compiled_fn=None):
+def run_against_eager(fn, change, calls=4, change_at=2, compiled_fn=None, model=None):
     """Run ``fn`` compiled and eagerly on twin models; ``change()`` before call ``change_at``."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model = model or nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
@@ -133,9 +151,10 @@ def run_against_eager(fn, change, calls=4, change_at=2, compiled_fn=None):
 @pytest.fixture
 def restore_globals():
     global LOSS_SCALE, CALLS
-    saved = (LOSS_SCALE, copy.deepcopy(ARGS), CRITERION.beta, Settings.WEIGHT, CALLS)
+    global GATE
+    saved = (LOSS_SCALE, copy.deepcopy(ARGS), CRITERION.beta, Settings.WEIGHT, CALLS, GATE)
     yield
-    LOSS_SCALE, CALLS = saved[0], saved[4]
+    LOSS_SCALE, CALLS, GATE = saved[0], saved[4], saved[5]
     ARGS.clip, ARGS.train.accum = saved[1].clip, saved[1].train.accum
     CRITERION.beta = saved[2]
     Settings.WEIGHT = saved[3]
@@ -211,6 +230,19 @@ def test_class_constant_closure_variable_and_method_self(fake_pg, restore_global
         retraces(caplog)
 
 
+def test_a_global_read_by_the_models_own_forward(fake_pg, restore_globals, caplog):
+    def change():
+        global GATE
+        GATE = False
+
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        run_against_eager(global_step, change, model=GatedNet())
+    assert retraces(caplog) == [
+        "spmd_backend: retracing global_step: global 'GATE' (read by GatedNet._hidden) changed "
+        "from True to False"
+    ]
+
+
 def test_a_global_loss_module_is_keyed(fake_pg, restore_globals, caplog):
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
         run_against_eager(criterion_step, lambda: setattr(CRITERION, "beta", 0.01))
@@ -257,10 +289,10 @@ def test_what_free_values_reads():
     def step(model, opt, x):
         return lazy.clip, weights, table, torch.nn.functional.relu(x)
 
-    labels = [label for label, _ in free_values(step, set())]
+    labels = [label for label, _ in free_values(step)]
     assert not Lazy.ran
     assert labels == []
     partial = functools.partial(global_step)
-    assert [label for label, _ in free_values(partial, set())] == [
+    assert [label for label, _ in free_values(partial)] == [
         "global 'LOSS_SCALE' (read by global_step)"
     ]

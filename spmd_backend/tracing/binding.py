@@ -176,7 +176,7 @@ class StepBinding:
         """The plain values the step function reads from outside its arguments."""
         if self.fn is None:
             return ()
-        return free_values(self.fn, {id(m) for _, m in self.modules})
+        return free_values(self.fn, self.modules)
 
     def key(self) -> StepKey:
         opt = self.optimizer

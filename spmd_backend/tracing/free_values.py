@@ -12,9 +12,10 @@ included), looked up in its globals and closure cells; objects reached that way 
 into their own ``vars()`` entries whose names the code also mentions (``cfg.clip``: both names
 appear), classes and Python modules likewise, up to :data:`MAX_DEPTH` attributes deep; Python
 functions of the user's code (not torch's, not the standard library's, not installed
-packages') that the step calls are read the same way, as are a bound method's ``self``. A
-module other than the one the step is bound to (a global ``criterion = nn.CrossEntropyLoss(...)``)
-contributes its modes and plain attributes.
+packages') that the step calls are read the same way, as are a bound method's ``self``. The methods
+of the user's own module classes (a ``forward`` that reads a module-level flag) are read too;
+a module other than the one the step is bound to (a global
+``criterion = nn.CrossEntropyLoss(...)``) contributes its modes and plain attributes.
 
 What it does not follow: mutable containers (a global list the step appends its losses to
 would retrace every call), tensors (a captured tensor is the trace's business), the bound
@@ -32,7 +33,7 @@ import os
 import sys
 import sysconfig
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,8 +45,6 @@ from spmd_backend.tracing.key import hashable, is_plain, module_state
 
 #: attribute hops followed from a global or closure variable (``cfg.train.clip`` is two)
 MAX_DEPTH = 3
-#: user functions followed from the step (helpers calling helpers)
-MAX_FUNCTIONS = 64
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -96,7 +95,6 @@ class _Walk:
         self.skip_modules = skip_modules
         self.out: list[tuple[str, Any]] = []
         self.seen: set[Any] = set()
-        self.functions = 0
 
     def function(self, fn: Callable[..., Any], label: str, self_label: str | None = None,
                  depth: int = 0) -> None:
@@ -120,10 +118,7 @@ class _Walk:
             return
         if id(fn) in self.seen or not _is_user_file(code.co_filename):
             return
-        if self.functions >= MAX_FUNCTIONS:
-            return
         self.seen.add(id(fn))
-        self.functions += 1
         names = _code_names(code)
         where = fn.__qualname__
         glob = fn.__globals__
@@ -192,9 +187,33 @@ def _class_attribute(cls: type, name: str) -> Any:
     return None
 
 
-def free_values(fn: Callable[..., Any], skip_modules: set[int]) -> tuple[tuple[str, Any], ...]:
-    """``(label, hashable value)`` of each plain value ``fn`` reads from outside its arguments,
-    in a deterministic order; ``skip_modules`` holds the ids of modules keyed elsewhere."""
-    walk = _Walk(skip_modules)
+def _user_methods(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[types.FunctionType]:
+    """The functions defined by the user's own module classes (``forward`` and its helpers),
+    each once; torch's and installed packages' classes are not read."""
+    classes: dict[type, None] = {}
+    for _, mod in modules:
+        for cls in type(mod).__mro__:
+            if cls is nn.Module or cls is object:
+                break
+            classes.setdefault(cls, None)
+    for cls in classes:
+        if not _is_user_class(cls):
+            continue
+        for attr in vars(cls).values():
+            if isinstance(attr, (staticmethod, classmethod)):
+                attr = attr.__func__
+            if isinstance(attr, types.FunctionType):
+                yield attr
+
+
+def free_values(
+    fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]] = ()
+) -> tuple[tuple[str, Any], ...]:
+    """``(label, hashable value)`` of each plain value the step ``fn``, and the methods of the
+    user's module classes among ``modules`` (the bound module's tree, whose own attributes are
+    keyed elsewhere), read from their globals and closures; in a deterministic order."""
+    walk = _Walk({id(m) for _, m in modules})
     walk.function(fn, getattr(fn, "__qualname__", "the step"))
+    for method in _user_methods(modules):
+        walk.function(method, method.__qualname__)
     return tuple(walk.out)
