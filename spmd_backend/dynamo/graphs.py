@@ -34,7 +34,7 @@ from spmd_backend.dynamo import frame
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import INPUT_KIND_KEY, Phase, annotate, annotated, owner_of
 from spmd_backend.graph.utils import get_output
-from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_READY
+from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_READY, check_dense_gradient
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -137,21 +137,42 @@ def autograd_grad_calls(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is torch.autograd.grad]
 
 
+def _accumulated_into_grad(value: fx.Node) -> bool:
+    """Whether ``value`` (an output of ``torch.autograd.grad``) is what ``Tensor.backward``
+    accumulates into ``.grad``: Dynamo traces ``backward()`` as ``autograd.grad`` plus its
+    ``accumulate_grad`` polyfill, which copies each gradient into ``empty_like(param)``. A
+    gradient the user asked ``torch.autograd.grad`` for (a gradient penalty) is not: DDP does
+    not reduce it either."""
+    for use in value.users:
+        if use.op == "call_method" and use.target == "copy_" and len(use.args) > 1 \
+                and use.args[1] is value:
+            dst = use.args[0]
+            if isinstance(dst, fx.Node) and dst.op == "call_function" \
+                    and dst.target is torch.empty_like:
+                return True
+    return False
+
+
 def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> list[int]:
     """``grad_ready(g, fqn)`` after each ``getitem(torch.autograd.grad(...), i)`` whose input
-    ``i`` is a parameter (an unused parameter's gradient is None: no marker); returns the
+    ``i`` is a parameter and whose value ``backward()`` accumulates into ``.grad`` (an unused
+    parameter's gradient is None: no marker; the result of the user's own
+    ``torch.autograd.grad(..., create_graph=True)`` is not a gradient DDP reduces); returns the
     placeholder indices of the parameters marked (once per gradient)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = {p: i for i, p in enumerate(placeholders)}
     marked: list[int] = []
     for call in autograd_grad_calls(gm.graph):
         wrt = call.args[1] if len(call.args) > 1 else call.kwargs.get("inputs")
+        if not isinstance(wrt, (list, tuple)):  # torch.autograd.grad(out, x): one input
+            wrt = (wrt,)
         for user in list(call.users):
             if user.target is not operator.getitem or user.meta.get("example_value") is None:
                 continue
             i = position.get(wrt[user.args[1]])
-            if i is None or i not in inputs.params:
+            if i is None or i not in inputs.params or not _accumulated_into_grad(user):
                 continue
+            check_dense_gradient(user.meta["example_value"], inputs.fqns[i])
             with gm.graph.inserting_after(user):
                 marker = gm.graph.call_function(GRAD_READY, (user, inputs.fqns[i]))
             user.replace_all_uses_with(marker, delete_user_cb=lambda n, m=marker: n is not m)

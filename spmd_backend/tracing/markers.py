@@ -27,6 +27,19 @@ from __future__ import annotations
 import torch
 
 
+def check_dense_gradient(grad: torch.Tensor, fqn: str) -> None:
+    """Refuse a sparse gradient (``nn.Embedding(sparse=True)``) before a marker wraps it: the
+    collectives, bucketing and optimizer lowering handle dense (strided) gradients only."""
+    if grad.layout != torch.strided:
+        from spmd_backend.errors import SpmdUsageError
+
+        raise SpmdUsageError(
+            f"spmd_backend: parameter {fqn!r} gets a {grad.layout} gradient (an "
+            "nn.Embedding/EmbeddingBag with sparse=True?); spmd_backend reduces dense gradients "
+            "only: construct the module with sparse=False (the default)"
+        )
+
+
 def _identity_marker(name: str) -> torch._ops.OpOverload:
     """Register ``spmd_backend::<name>(Tensor t, str fqn) -> Tensor`` (a copy of ``t``)."""
 

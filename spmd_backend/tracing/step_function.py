@@ -47,7 +47,12 @@ from spmd_backend.tracing.dispatch import SYM_TYPES, TraceContext, TraceMode
 from spmd_backend.tracing.grad_scaler import SkipFlag, grad_scalers_swapped
 from spmd_backend.tracing.hyperparams import HyperSlot
 from spmd_backend.tracing.layout import InputGroups, StepLayout
-from spmd_backend.tracing.markers import BUFFER_SYNC, GRAD_CONTRIBUTION, GRAD_READY
+from spmd_backend.tracing.markers import (
+    BUFFER_SYNC,
+    GRAD_CONTRIBUTION,
+    GRAD_READY,
+    check_dense_gradient,
+)
 from spmd_backend.tracing.optimizer_swap import optimizer_swapped
 from spmd_backend.tracing.sharding import ShardedStep, ShardSpec
 from spmd_backend.tracing.tracked import ReadRecorder, rebuild_tracked
@@ -249,12 +254,14 @@ class StepFunction:
             if i in has_grad:
                 def contribution(grad: torch.Tensor, _name: str = names[0]) -> torch.Tensor:
                     self.saw_backward = True
+                    check_dense_gradient(grad, _name)
                     return GRAD_CONTRIBUTION(grad, _name)
 
                 handles.append(fp.register_hook(contribution))
             else:
                 def ready(param: torch.Tensor, _name: str = names[0]) -> None:
                     self.saw_backward = True
+                    check_dense_gradient(param.grad, _name)
                     param.grad = GRAD_READY(param.grad, _name)
 
                 handles.append(fp.register_post_accumulate_grad_hook(ready))
