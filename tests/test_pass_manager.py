@@ -286,8 +286,10 @@ def test_undeclared_functions_do_not_leak_into_the_registry():
     assert "pm_private_pass" not in _REGISTRY
 
 
-def _fused_adam_graph(state_shape: tuple[int, ...], grad_transposed: bool = False) -> fx.Graph:
-    """make_fx of torch's fused Adam kernel on a (3, 4) parameter, with the given state shape."""
+def _fused_adam_graph(state_shape: tuple[int, ...], grad_transposed: bool = False,
+                      param: torch.Tensor | None = None) -> fx.Graph:
+    """make_fx of torch's fused Adam kernel on a (3, 4) parameter (or ``param``), with the
+    given state shape (states laid out like the parameter)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def step(p, g, m, v, s):
@@ -296,9 +298,10 @@ def _fused_adam_graph(state_shape: tuple[int, ...], grad_transposed: bool = Fals
                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
         return p
 
-    g = torch.randn(4, 3) if grad_transposed else torch.randn(3, 4)
-    gm = make_fx(step, tracing_mode="fake")(
-        torch.randn(3, 4), g, torch.zeros(state_shape), torch.zeros(state_shape), torch.tensor(1.0))
+    p = torch.randn(3, 4) if param is None else param
+    g = torch.randn(4, 3) if grad_transposed else torch.empty_like(p)
+    state = torch.zeros_like(p) if tuple(state_shape) == tuple(p.shape) else torch.zeros(state_shape)
+    gm = make_fx(step, tracing_mode="fake")(p, g, state, state.clone(), torch.tensor(1.0))
     for n in gm.graph.nodes:
         annotate(n, fqn=None, phase="optimizer")
     return gm.graph
@@ -307,9 +310,15 @@ def _fused_adam_graph(state_shape: tuple[int, ...], grad_transposed: bool = Fals
 def test_verification_catches_a_fused_optimizer_state_that_does_not_match_its_parameter():
     """torch's CPU fused kernels size every list by the parameter and check nothing (a shorter
     state is written out of bounds: heap corruption, a crash later and elsewhere), and read
-    every tensor as contiguous (a transposed gradient is read wrong)."""
+    a parameter and its tensors as flat arrays (a transposed gradient is read wrong). One dense
+    layout shared by all (a channels_last weight, as eager's gradient layout contract gives)
+    is fine, as is the scalar step count of a one-element parameter (a shard)."""
     verify_graph(_fused_adam_graph((3, 4)))  # matching: fine
     with pytest.raises(SpmdGraphError, match=r"_fused_adam_ .* shape \(3, 4\) with .* shape \(6,\)"):
         verify_graph(_fused_adam_graph((6,)))
-    with pytest.raises(SpmdGraphError, match=r"strides \(1, 3\).*read every tensor as contiguous"):
+    with pytest.raises(SpmdGraphError, match=r"strides \(1, 3\).*with strides \(4, 1\).*one "
+                                             r"dense layout"):
         verify_graph(_fused_adam_graph((3, 4), grad_transposed=True))
+    channels_last = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    verify_graph(_fused_adam_graph((2, 3, 2, 2), param=channels_last))
+    verify_graph(_fused_adam_graph((1,), param=torch.randn(1)))

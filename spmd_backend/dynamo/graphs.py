@@ -277,6 +277,8 @@ def fold_gradient_copies(graph: fx.Graph) -> int:
         a, b = node.meta.get("val"), src.meta.get("val")
         if a is None or b is None or (a.shape, a.dtype, a.stride()) != (b.shape, b.dtype, b.stride()):
             continue
+        if not a.is_contiguous():  # a layout the real gradient may not have (channels_last)
+            continue
         node.replace_all_uses_with(src)
         graph.erase_node(node)
         graph.erase_node(dst)

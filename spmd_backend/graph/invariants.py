@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_dense
 
 from spmd_backend.errors import SpmdGraphError
 from spmd_backend.graph import aliasing, ops
@@ -114,6 +115,17 @@ def _check_in_flight_writes(graph: fx.Graph, where: str) -> None:
                     in_flight[aliasing.alias_root(arg)] = (node, set(waits))
 
 
+def _step_list_positions(node: fx.Node) -> set[int]:
+    """Positions, among a fused kernel's list arguments, of its step counts (``state_steps``:
+    one scalar per parameter, whatever the parameter's shape)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return set()
+    names = [a.name for a in schema.arguments]
+    lists = [i for i, a in enumerate(node.args) if isinstance(a, (list, tuple))]
+    return {k for k, i in enumerate(lists) if i < len(names) and names[i] == "state_steps"}
+
+
 def _check_fused_shapes(node: fx.Node, where: str) -> None:
     """Raise when a fused optimizer kernel's lists do not match its parameters (when the nodes
     carry fake values; graphs without them are not checked)."""
@@ -123,16 +135,23 @@ def _check_fused_shapes(node: fx.Node, where: str) -> None:
     params = [getattr(p, "meta", {}).get("val") for p in lists[0]]
     if not all(isinstance(v, torch.Tensor) for v in params):
         return
+    steps = _step_list_positions(node)
     for index, items in enumerate(lists):
-        for t in items:
+        for j, t in enumerate(items):
             v = getattr(t, "meta", {}).get("val")
-            if isinstance(v, torch.Tensor) and not v.is_contiguous():
+            if not isinstance(v, torch.Tensor) or index in steps:
+                continue
+            pv = params[j] if j < len(params) else v
+            if not is_dense(v) or (
+                    index and v.shape == pv.shape and v.stride() != pv.stride()):
                 raise SpmdGraphError(
                     f"{where}: {node.name} ({ops.op_name(node)}) gets {t.name} of shape "
-                    f"{tuple(v.shape)} with strides {tuple(v.stride())} (list argument {index}); "
-                    "torch's fused kernels read every tensor as contiguous")
+                    f"{tuple(v.shape)} with strides {tuple(v.stride())} (list argument {index}) "
+                    f"for a parameter with strides {tuple(pv.stride())}; torch's fused kernels "
+                    "walk a parameter and its tensors as one flat array each, so they need one "
+                    "dense layout")
     for index, items in enumerate(lists[1:], start=1):
-        if not items:
+        if not items or index in steps:
             continue
         vals = [getattr(t, "meta", {}).get("val") for t in items]
         if not all(isinstance(v, torch.Tensor) for v in vals):
@@ -142,8 +161,6 @@ def _check_fused_shapes(node: fx.Node, where: str) -> None:
                 f"{where}: {node.name} ({ops.op_name(node)}) has {len(params)} parameters but "
                 f"{len(vals)} tensors in its list argument {index}")
         for p, t, v, pv in zip(lists[0], items, vals, params):
-            if v.numel() == 1 and v.dim() <= 1 and pv.numel() != 1:  # a step count
-                continue
             if tuple(v.shape) != tuple(pv.shape):
                 raise SpmdGraphError(
                     f"{where}: {node.name} ({ops.op_name(node)}) updates {p.name} of shape "

@@ -33,9 +33,12 @@ def _is_redundant_functional_copy(node: fx.Node) -> bool:
     a, b = dst.meta.get("val"), src.meta.get("val")
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return False
+    # a copy into a non-contiguous destination (a channels_last parameter's layout) is kept:
+    # the source's traced strides are a prediction the real kernel need not follow (a CPU
+    # convolution's weight gradient comes back contiguous where the fake one is channels_last)
     return (
         a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-        and a.stride() == b.stride()
+        and a.stride() == b.stride() and a.is_contiguous()
     )
 
 

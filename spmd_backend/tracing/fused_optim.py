@@ -114,10 +114,46 @@ def register_meta_kernels() -> list[str]:
     return registered
 
 
+def _in_layout_of(param: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a new tensor laid out like ``param`` (at run time: like the real one)."""
+    return torch.empty_like(param).copy_(t)
+
+
+def with_parameter_layouts(args: tuple) -> tuple:
+    """``args`` of a fused optimizer kernel with every per-parameter tensor (gradient, state)
+    laid out like its parameter where that is not already certain.
+
+    torch's fused CPU kernels walk a parameter and its gradient and state as flat arrays, so
+    they need one layout (eager guarantees it: ``.grad`` follows its parameter's strides). In a
+    traced graph it does not hold: for a channels_last convolution weight the fake tensors
+    predict a channels_last gradient, the CPU kernel returns a contiguous one, and the fused
+    step read the gradient in the wrong order (0.02 off eager after one SGD step). A tensor is
+    copied into its parameter's layout when the parameter is not contiguous (gradient strides
+    are not known before run time) or its traced strides differ; contiguous parameters with
+    matching tensors (the common case) cost nothing.
+    """
+    params = args[0]
+    out = [args[0]]
+    for lst in args[1:]:
+        if not isinstance(lst, (list, tuple)) or len(lst) != len(params):
+            out.append(lst)
+            continue
+        fixed = []
+        for p, t in zip(params, lst):
+            if isinstance(t, torch.Tensor) and t.shape == p.shape and p.dim() > 1 and (
+                not p.is_contiguous() or t.stride() != p.stride()
+            ):
+                t = _in_layout_of(p, t)
+            fixed.append(t)
+        out.append(type(lst)(fixed))
+    return tuple(out)
+
+
 def functional_fused_step(func: object, args: tuple, kwargs: dict) -> None:
-    """Run an in-place fused optimizer op as functional op + ``copy_`` into its mutated lists."""
+    """Run an in-place fused optimizer op as functional op + ``copy_`` into its mutated lists
+    (inputs laid out like their parameters: :func:`with_parameter_layouts`)."""
     functional, n_mutated = INPLACE_TO_FUNCTIONAL[func]
-    outs = functional(*args, **kwargs)
+    outs = functional(*with_parameter_layouts(args), **kwargs)
     for dst_list, src_list in zip(args[:n_mutated], outs):
         for dst, src in zip(dst_list, src_list):
             dst.copy_(src)
