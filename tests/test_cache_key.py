@@ -99,6 +99,48 @@ def test_module_attributes_and_hooks_are_part_of_the_key(fake_pg, caplog):
     ]
 
 
+class Mixture(nn.Module):
+    """Mixing weights in a public list and a scale in a public dict, read by forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 1), nn.Linear(8, 1)
+        self.mix = [0.5, 0.5]
+        self.options = {"scale": 1.0}
+
+    def forward(self, x):
+        return (self.mix[0] * self.a(x) + self.mix[1] * self.b(x)) * self.options["scale"]
+
+
+def test_public_list_and_dict_attributes_are_part_of_the_key(fake_pg, caplog):
+    """Before: a module's lists and dicts were skipped as module internals, and changing
+    ``model.mix[0]`` left the replay on the old weights (0.048 off eager one call later)."""
+    torch.manual_seed(0)
+    model = Mixture()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(step)
+    x = torch.randn(8, 8)
+    compiled(model, opt, x)
+    step(twin, twin_opt, x)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for m in (model, twin):
+            m.mix[0] = 0.9
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+        for m in (model, twin):
+            m.options["scale"] = 3.0
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+    assert retrace_messages(caplog) == [
+        "spmd_backend: retracing train_step: attribute <root>.mix changed from [0.5, 0.5] to "
+        "[0.9, 0.5]",
+        "spmd_backend: retracing train_step: attribute <root>.options changed from "
+        "{'scale': 1.0} to {'scale': 3.0}",
+    ]
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 def test_grad_mode_and_autocast_are_part_of_the_key(fake_pg, caplog):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))

@@ -109,8 +109,26 @@ def _hook_ids(module: nn.Module) -> tuple:
 _SKIPPED_TYPES = frozenset({dict, collections.OrderedDict, list, set})
 
 
+#: longest public list or dict attribute keyed by value (longer ones are metadata: id2label)
+MAX_KEYED_CONTAINER = 256
+
+
+def _plain_container(value: Any) -> tuple | None:
+    """A list or dict of plain values (``self.mix = [0.3, 0.7]``, ``self.cfg = {"scale": 2}``)
+    as a hashable tuple; None when it holds anything else or is long."""
+    if len(value) > MAX_KEYED_CONTAINER:
+        return None
+    if type(value) is list:
+        return ("list", tuple(value)) if all(is_plain(v) for v in value) else None
+    if type(value) is dict:
+        items = tuple(value.items())
+        return ("dict", items) if all(is_plain(k) and is_plain(v) for k, v in items) else None
+    return None
+
+
 def _attributes(obj: Any) -> tuple[tuple, list[tuple[str, Any]]]:
-    """``obj``'s plain attributes, and the other attributes worth a look (objects)."""
+    """``obj``'s plain attributes (public lists and dicts of plain values included), and the
+    other attributes worth a look (objects)."""
     plain: list[tuple[str, Any]] = []
     others: list[tuple[str, Any]] = []
     for k, v in vars(obj).items():
@@ -118,6 +136,12 @@ def _attributes(obj: Any) -> tuple[tuple, list[tuple[str, Any]]]:
         if t in _PLAIN_TYPE_SET:
             plain.append((k, v))
         elif t in _SKIPPED_TYPES:
+            # a module's own bookkeeping (``_parameters``, hooks) is private; a public list or
+            # dict of numbers is a setting the forward may read
+            if not k.startswith("_"):
+                contents = _plain_container(v)
+                if contents is not None:
+                    plain.append((k, contents))
             continue
         elif is_plain(v):
             plain.append((k, v))
@@ -383,12 +407,19 @@ def _explain_mode(rows_a: tuple, rows_b: tuple) -> str | None:
     return f"{what} {names} switched from {modes.get(a)} to {modes.get(b)} mode"
 
 
+def _attr_value(value: Any) -> str:
+    """An attribute's key value as the user wrote it (a keyed list or dict as one)."""
+    if isinstance(value, tuple) and len(value) == 2 and value[0] in ("list", "dict"):
+        return repr(list(value[1]) if value[0] == "list" else dict(value[1]))
+    return repr(value)
+
+
 def _attr_change(label: str, a: dict, b: dict) -> str:
     for k in sorted(set(a) | set(b), key=str):
         if a.get(k, "<unset>") != b.get(k, "<unset>"):
             return (
-                f"attribute {label}.{k} changed from {a.get(k, '<unset>')!r} to "
-                f"{b.get(k, '<unset>')!r}"
+                f"attribute {label}.{k} changed from {_attr_value(a.get(k, '<unset>'))} to "
+                f"{_attr_value(b.get(k, '<unset>'))}"
             )
     return f"the attributes of {label!r} changed"
 
