@@ -77,9 +77,8 @@ def test_one_submodule_switching_mode_is_named(fake_pg, caplog):
     ]
 
 
-def test_module_attributes_and_hooks_are_part_of_the_key(fake_pg, caplog):
-    torch.manual_seed(0)
-    model = DropNorm().eval()
+def _compiled_and_eager_twin(model):
+    """``model`` and an eager twin, each with SGD, after one call of each on the same batch."""
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
@@ -87,6 +86,12 @@ def test_module_attributes_and_hooks_are_part_of_the_key(fake_pg, caplog):
     x = torch.randn(8, 8)
     compiled(model, opt, x)
     step(twin, twin_opt, x)
+    return model, twin, opt, twin_opt, compiled, x
+
+
+def test_module_attributes_and_hooks_are_part_of_the_key(fake_pg, caplog):
+    torch.manual_seed(0)
+    model, twin, opt, twin_opt, compiled, x = _compiled_and_eager_twin(DropNorm().eval())
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
         model.scale = twin.scale = 3.0  # a plain attribute read by forward
         torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
@@ -116,14 +121,7 @@ def test_public_list_and_dict_attributes_are_part_of_the_key(fake_pg, caplog):
     """Before: a module's lists and dicts were skipped as module internals, and changing
     ``model.mix[0]`` left the replay on the old weights (0.048 off eager one call later)."""
     torch.manual_seed(0)
-    model = Mixture()
-    twin = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
-    compiled = spmd_backend.compile()(step)
-    x = torch.randn(8, 8)
-    compiled(model, opt, x)
-    step(twin, twin_opt, x)
+    model, twin, opt, twin_opt, compiled, x = _compiled_and_eager_twin(Mixture())
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
         for m in (model, twin):
             m.mix[0] = 0.9
