@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -278,6 +279,41 @@ def test_user_dict_batches_are_mappings(fake_pg):
         compiled(model, opt, Encoding({"x": torch.randn(4, 8), "idx": i}, "kept"))
     assert compiled.trace_count == 1
     assert any(n.startswith("a_args_2___x") for n in compiled.graph.traced.placeholder_names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+    weight: float = 1.0
+    note: str = "kept"
+
+
+def test_dataclass_batches_are_their_fields(fake_pg, caplog):
+    """Before: a dataclass batch was one opaque leaf, and its tensors were refused as captured
+    from an enclosing scope. Its fields are now arguments: tensors graph inputs, the rest keyed
+    by value (``batch.weight`` changed: one retrace naming it)."""
+    def dc_step(model, optim, batch):
+        assert isinstance(batch, Batch) and batch.note == "kept"
+        loss = (model(batch.x) - batch.y).pow(2).mean() * batch.weight
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    compiled = spmd_backend.compile()(dc_step)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for i in range(4):
+            batch = Batch(torch.randn(4, 8), torch.randn(4, 2), 1.0 if i < 2 else 5.0)
+            torch.testing.assert_close(compiled(model, opt, batch), dc_step(twin, twin_opt, batch))
+    assert [m.split(": ", 2)[2] for m in retrace_messages(caplog)] == [
+        "argument args[2].weight changed from 1.0 to 5.0"]
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
 
 
 # ----------------------------------------------------------------------------- errors

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.utils._pytree import GetAttrKey
 
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.free_values import free_values
@@ -111,6 +112,8 @@ class StepBinding:
         tracked = frozenset(
             j for j, (leaf, path) in enumerate(zip(flat, paths))
             if _is_trackable(leaf) and any(isinstance(e, tuple) and e[:1] == ("map",) for e in path)
+            # below a dataclass field the trace reads attributes, not dict entries: keyed always
+            and not any(isinstance(e, GetAttrKey) for e in path)
         )
         return cls(
             module=module,
@@ -142,7 +145,9 @@ class StepBinding:
         out = []
         for path in self.leaf_paths:
             text = "".join(
-                f"[{e[1]!r}]" if isinstance(e, tuple) else f"[{e.idx}]" for e in path[1:]
+                f"[{e[1]!r}]" if isinstance(e, tuple)
+                else f".{e.name}" if isinstance(e, GetAttrKey) else f"[{e.idx}]"
+                for e in path[1:]
             )
             out.append(("args" if path and path[0].idx == 0 else "kwargs") + text)
         return out

@@ -12,6 +12,9 @@ we record reads instead:
 * :func:`rebuild_tracked` rebuilds an argument tree with tracking dicts for the trace (only the
   dicts that hold a non-tensor leaf are replaced; ``UserDict`` subclasses such as transformers'
   ``BatchEncoding`` get a tracking ``.data``).
+* :func:`adapt_user_dicts` makes ``UserDict`` arguments pytree mappings and dataclass instances
+  pytree nodes of their fields (a dataclass field is read as an attribute, so its non-tensor
+  values are keyed by value, never read-tracked).
 * :class:`ReadRecorder` collects the reads as flat-leaf indices.
 
 Requires nothing of the user's objects and never mutates them.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -302,13 +306,61 @@ def _register_user_dict_node() -> None:
         )
 
 
+# ------------------------------------------------------------------ dataclass arguments
+class DataclassArgument:
+    """A dataclass instance (a ``Batch(x, y, weight)``) seen by pytree as its fields: tensors
+    become graph inputs, other fields are keyed by value (never read-tracked)."""
+
+    __slots__ = ("original",)
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+
+
+def _flatten_dataclass(node: DataclassArgument) -> tuple[list[Any], _UserDictContext]:
+    names = tuple(f.name for f in dataclasses.fields(node.original))
+    values = [adapt_user_dicts(getattr(node.original, n)) for n in names]
+    return values, _UserDictContext(node.original, names)
+
+
+def _flatten_dataclass_with_keys(node: DataclassArgument) -> tuple[list[tuple[Any, Any]], Any]:
+    from torch.utils._pytree import GetAttrKey
+
+    values, context = _flatten_dataclass(node)
+    return [(GetAttrKey(n), v) for n, v in zip(context.keys, values)], context
+
+
+def _unflatten_dataclass(values: Any, context: _UserDictContext) -> Any:
+    clone = copy.copy(context.original)
+    for name, value in zip(context.keys, values):
+        object.__setattr__(clone, name, value)  # frozen dataclasses too
+    return clone
+
+
+def _register_dataclass_node() -> None:
+    import torch.utils._pytree as pytree
+
+    if DataclassArgument not in pytree.SUPPORTED_NODES:
+        pytree.register_pytree_node(
+            DataclassArgument,
+            _flatten_dataclass,
+            _unflatten_dataclass,
+            flatten_with_keys_fn=_flatten_dataclass_with_keys,
+        )
+
+
 def adapt_user_dicts(tree: Any) -> Any:
-    """``tree`` with every ``UserDict`` (not known to pytree) wrapped as a pytree mapping node."""
+    """``tree`` with every ``UserDict`` and dataclass instance (not known to pytree) wrapped as
+    a pytree node: a mapping, or the dataclass's fields."""
     import torch.utils._pytree as pytree
 
     if isinstance(tree, collections.UserDict) and type(tree) not in pytree.SUPPORTED_NODES:
         _register_user_dict_node()
         return UserDictArgument(tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type) \
+            and type(tree) not in pytree.SUPPORTED_NODES:
+        _register_dataclass_node()
+        return DataclassArgument(tree)
     if type(tree) in (list, tuple):
         return type(tree)(adapt_user_dicts(v) for v in tree)
     if type(tree) is dict:
