@@ -294,16 +294,13 @@ def _unflatten_user_dict(values: Any, context: _UserDictContext) -> collections.
     return clone
 
 
-def _register_user_dict_node() -> None:
+def _register_node(cls: type, flatten: Callable[..., Any], unflatten: Callable[..., Any],
+                   flatten_with_keys: Callable[..., Any]) -> None:
+    """Register an argument wrapper with pytree once per process."""
     import torch.utils._pytree as pytree
 
-    if UserDictArgument not in pytree.SUPPORTED_NODES:
-        pytree.register_pytree_node(
-            UserDictArgument,
-            _flatten_user_dict,
-            _unflatten_user_dict,
-            flatten_with_keys_fn=_flatten_user_dict_with_keys,
-        )
+    if cls not in pytree.SUPPORTED_NODES:
+        pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys)
 
 
 # ------------------------------------------------------------------ dataclass arguments
@@ -337,29 +334,19 @@ def _unflatten_dataclass(values: Any, context: _UserDictContext) -> Any:
     return clone
 
 
-def _register_dataclass_node() -> None:
-    import torch.utils._pytree as pytree
-
-    if DataclassArgument not in pytree.SUPPORTED_NODES:
-        pytree.register_pytree_node(
-            DataclassArgument,
-            _flatten_dataclass,
-            _unflatten_dataclass,
-            flatten_with_keys_fn=_flatten_dataclass_with_keys,
-        )
-
-
 def adapt_user_dicts(tree: Any) -> Any:
     """``tree`` with every ``UserDict`` and dataclass instance (not known to pytree) wrapped as
     a pytree node: a mapping, or the dataclass's fields."""
     import torch.utils._pytree as pytree
 
     if isinstance(tree, collections.UserDict) and type(tree) not in pytree.SUPPORTED_NODES:
-        _register_user_dict_node()
+        _register_node(UserDictArgument, _flatten_user_dict, _unflatten_user_dict,
+                       _flatten_user_dict_with_keys)
         return UserDictArgument(tree)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type) \
             and type(tree) not in pytree.SUPPORTED_NODES:
-        _register_dataclass_node()
+        _register_node(DataclassArgument, _flatten_dataclass, _unflatten_dataclass,
+                       _flatten_dataclass_with_keys)
         return DataclassArgument(tree)
     if type(tree) in (list, tuple):
         return type(tree)(adapt_user_dicts(v) for v in tree)
