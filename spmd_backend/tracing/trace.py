@@ -52,6 +52,7 @@ from spmd_backend.tracing.shapes import ShapeGuard, symbolic_inputs
 from spmd_backend.tracing.sharding import ShardSpec
 from spmd_backend.tracing.step_function import StepFunction
 from spmd_backend.tracing.tracked import ReadRecorder
+from spmd_backend.tracing.user_collectives import refuse_user_collectives
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def trace_train_step(
         with swapped_submodules(binding.module, overrides), \
                 torch.fx.traceback.preserve_node_meta(), lazy_graph_modules(), \
                 annotator.active(), torch.compiler._non_strict_tracing_context(), compiling(), \
-                refuse_scheduler_steps(), data_assignment_as_copy():
+                refuse_scheduler_steps(), refuse_user_collectives(), data_assignment_as_copy():
             if symbolic is None:
                 gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
                     *[t.detach() for t in real_inputs]
