@@ -50,9 +50,10 @@ def test_transformer_example_runs_under_torchrun():
          str(ROOT / "examples" / "train_transformer.py"), "--steps", "6", "--layers", "1",
          "--no-pictures"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
-        # as `make demo` runs it: Inductor compiles in the background, the run goes on until
-        # its code has trained (the suite's default is the blocking compile)
-        env={**os.environ, "SPMD_BACKEND_BACKGROUND_COMPILE": "1"},
+        # Inductor compiles before the first steady step (the suite's default): `make demo`
+        # compiles in the background, which tests/test_background_compile.py covers; here it
+        # cost 69 s on a cold cache against 39 s blocking
+        env={**os.environ, "SPMD_BACKEND_BACKGROUND_COMPILE": "0"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "largest parameter difference vs DDP" in result.stdout
