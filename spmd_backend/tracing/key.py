@@ -414,14 +414,22 @@ def _attr_value(value: Any) -> str:
     return repr(value)
 
 
+def _first_change(a: dict, b: dict, keys: Sequence[Any]) -> tuple[Any, Any, Any] | None:
+    """The first of ``keys`` whose value differs between ``a`` and ``b``: (key, old, new),
+    a missing entry as ``"<unset>"``."""
+    for k in keys:
+        old, new = a.get(k, "<unset>"), b.get(k, "<unset>")
+        if old != new:
+            return k, old, new
+    return None
+
+
 def _attr_change(label: str, a: dict, b: dict) -> str:
-    for k in sorted(set(a) | set(b), key=str):
-        if a.get(k, "<unset>") != b.get(k, "<unset>"):
-            return (
-                f"attribute {label}.{k} changed from {_attr_value(a.get(k, '<unset>'))} to "
-                f"{_attr_value(b.get(k, '<unset>'))}"
-            )
-    return f"the attributes of {label!r} changed"
+    change = _first_change(a, b, sorted(set(a) | set(b), key=str))
+    if change is None:
+        return f"the attributes of {label!r} changed"
+    k, old, new = change
+    return f"attribute {label}.{k} changed from {_attr_value(old)} to {_attr_value(new)}"
 
 
 def _explain_optimizer_attrs(old: tuple, new: tuple, binding: Any) -> str | None:
@@ -454,13 +462,11 @@ def _explain_groups(old: tuple, new: tuple, binding: Any) -> str | None:
 
 def _explain_free_values(old: tuple, new: tuple, binding: Any) -> str | None:
     a, b = dict(old), dict(new)
-    for label in [*a, *(k for k in b if k not in a)]:
-        if a.get(label, "<unset>") != b.get(label, "<unset>"):
-            return (
-                f"{label} changed from {fmt(a.get(label, '<unset>'))} to "
-                f"{fmt(b.get(label, '<unset>'))}"
-            )
-    return None
+    change = _first_change(a, b, [*a, *(k for k in b if k not in a)])
+    if change is None:
+        return None
+    label, was, now = change
+    return f"{label} changed from {fmt(was)} to {fmt(now)}"
 
 
 _EXPLAIN = {

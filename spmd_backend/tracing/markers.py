@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import torch
 
+from spmd_backend.errors import SpmdUsageError
+
 
 def check_dense_gradient(grad: torch.Tensor, fqn: str) -> None:
     """Refuse a sparse gradient (``nn.Embedding(sparse=True)``) before a marker wraps it: the
     collectives, bucketing and optimizer lowering handle dense (strided) gradients only."""
     if grad.layout != torch.strided:
-        from spmd_backend.errors import SpmdUsageError
-
         raise SpmdUsageError(
             f"spmd_backend: parameter {fqn!r} gets a {grad.layout} gradient (an "
             "nn.Embedding/EmbeddingBag with sparse=True?); spmd_backend reduces dense gradients "
