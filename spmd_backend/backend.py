@@ -200,6 +200,8 @@ def spmd_dynamo_backend(
     _refuse_compiled_autograd(gm)
     inputs = graphs.classify_inputs(gm)
     pipeline.sync(inputs.state_tensors(), config, inputs.state_names())  # verified, then broadcast
+    hooked = {i: p for i, p in inputs.params.items() if p.requires_grad}
+    audit.refuse_gradient_hooks(hooked, inputs.fqns)
     for i, p in inputs.params.items():  # a backward that runs eagerly must not go unnoticed
         audit.watch(p, inputs.fqns[i])
     _warn_on_recompiles(gm)
@@ -224,6 +226,8 @@ def spmd_dynamo_backend(
     compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=whole_step)
     if whole_step and marked:
         compiled = _marking_reduced(compiled, [inputs.params[i] for i in dict.fromkeys(marked)])
+    if hooked:
+        compiled = _refusing_gradient_hooks(compiled, hooked, inputs.fqns)
     release_freed_heap()  # what tracing and compiling freed, back to the OS
     return compiled
 
@@ -238,6 +242,18 @@ def _marking_reduced(compiled: Any, params: list[torch.Tensor]) -> Any:
         return out
 
     return run
+
+def _refusing_gradient_hooks(
+    compiled: Any, params: dict[int, torch.Tensor], fqns: dict[int, str]
+) -> Any:
+    """``compiled``, raising before it runs when a parameter got a gradient hook since it was
+    compiled (Dynamo does not guard on tensor hooks)."""
+    def run(*args: Any) -> Any:
+        audit.refuse_gradient_hooks(params, fqns)
+        return compiled(*args)
+
+    return run
+
 
 scope.mark_whole_step(spmd_dynamo_backend)
 

@@ -89,3 +89,24 @@ def check_before_step(params: Iterable[torch.Tensor]) -> None:
                 "the graph break (torch._dynamo.explain shows it)"
             )
         audit.reduced_since_step = False
+
+
+def refuse_gradient_hooks(params: dict[int, torch.Tensor], fqns: dict[int, str]) -> None:
+    """Raise if a parameter carries a gradient hook of the user's (``register_hook``,
+    ``register_post_accumulate_grad_hook``).
+
+    Under DDP such a hook runs on this rank's gradient before the all-reduce. Here it cannot: a
+    whole-step graph computes gradients inside the graph, where no hook of the real parameter
+    runs, and in per-graph mode the hook would run on the already reduced gradient (for a
+    clamp or any other non-linear hook, another result). Called when a graph is compiled and
+    before each call of it, so a hook registered later is caught before anything runs.
+    """
+    for i, p in params.items():
+        post = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        if getattr(p, "_backward_hooks", None) or any(not isinstance(h, _Audit) for h in post.values()):
+            raise SpmdUsageError(
+                f'backend="spmd": parameter {fqns.get(i, "#" + str(i))!r} has a gradient hook '
+                "(register_hook or register_post_accumulate_grad_hook); the Dynamo door cannot "
+                "run it where DDP does (on this rank's gradient, before the all-reduce). Use "
+                "spmd_backend.compile, which runs parameter hooks as DDP does, or remove the hook"
+            )

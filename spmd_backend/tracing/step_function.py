@@ -251,6 +251,7 @@ class StepFunction:
         for i, (names, fp) in enumerate(zip(self.binding.param_names, lifted.params)):
             if not fp.requires_grad:
                 continue
+            handles.extend(_user_tensor_hooks(self.binding.params[i], fp))
             if i in has_grad:
                 def contribution(grad: torch.Tensor, _name: str = names[0]) -> torch.Tensor:
                     self.saw_backward = True
@@ -356,3 +357,18 @@ class StepFunction:
                 else:
                     real.copy_(from_functional(f))
         return outputs
+
+
+def _user_tensor_hooks(param: torch.Tensor, fp: torch.Tensor) -> list[Any]:
+    """Register ``param``'s own gradient hooks (``register_hook``,
+    ``register_post_accumulate_grad_hook``) on its stand-in ``fp``, in their order.
+
+    Registered before the gradient markers, they run where they run under DDP: a tensor hook on
+    this rank's gradient before it is accumulated and reduced, a post-accumulate hook on the
+    accumulated local gradient before it is reduced. The key holds the hooks (a hook added or
+    removed retraces), so the graph holds the hooks of the call that traced it.
+    """
+    handles = [fp.register_hook(h) for h in (getattr(param, "_backward_hooks", None) or {}).values()]
+    post = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    handles.extend(fp.register_post_accumulate_grad_hook(h) for h in post.values())
+    return handles
