@@ -136,10 +136,26 @@ def _can_default_to_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any
         return False
     if group.get("differentiable"):
         return False
+    if _momentum_half_started(optimizer, group):
+        return False
     supported = _fused_supported_devices()
     return all(
         torch.is_floating_point(p) and p.device.type in supported for p in group["params"]
     )
+
+
+def _momentum_half_started(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """True for an SGD group with momentum where some trainable parameters hold a momentum
+    buffer and others do not (a layer unfrozen after the first steps, a parameter added to the
+    group later). torch's fused SGD takes the first step for all of a group's parameters or for
+    none and fails on such a mix; the single-tensor loop starts each buffer on its own."""
+    if _torch_class(optimizer) != "SGD" or not group.get("momentum"):
+        return False
+    started = {
+        optimizer.state.get(p, {}).get("momentum_buffer") is not None
+        for p in group["params"] if p.requires_grad
+    }
+    return len(started) > 1
 
 
 def traced_implementation(
