@@ -1,0 +1,93 @@
+"""Random numbers drawn from Python's or numpy's generator inside a step.
+
+Mixup's ``lam = np.random.beta(a, a)`` or stochastic depth's ``random.random() < p`` were drawn
+once while the compile door traced the step and replayed as constants by every later call, with
+no warning. The compile door now refuses such a draw naming the line (or, for a function bound
+under another name before the trace, naming the generator whose state moved), leaving model,
+optimizer and both generators as they were. The Dynamo door draws anew each call and matches
+eager, as the error message says.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from random import uniform as drawn_under_another_name
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_backend
+from spmd_backend import SpmdUsageError
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def mixup_step(model, opt, x):
+    lam = float(np.random.beta(1.0, 1.0))
+    loss = model(lam * x + (1 - lam) * x.flip(0)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def stochastic_depth_step(model, opt, x):
+    h = model[1](model[0](x))
+    if random.random() < 0.5:  # skip the block
+        h = h + model[1](h)
+    loss = model[2](h).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def aliased_step(model, opt, x):
+    loss = (model(x) * drawn_under_another_name(0.5, 1.5)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("step,match", [
+    (mixup_step, r"numpy.random's global generator \(.*np.random.beta"),
+    (stochastic_depth_step, r"Python's random module \(.*random.random\(\) < 0.5"),
+    (aliased_step, r"Python's random module\. The compile door traces the step once"),
+], ids=["numpy-mixup", "random-stochastic-depth", "bound-before-the-trace"])
+def test_compile_door_refuses_python_random_draws(fake_pg, step, match):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
+    states = random.getstate(), np.random.get_state()
+    with pytest.raises(SpmdUsageError, match=match):
+        spmd_backend.compile()(step)(model, opt, torch.randn(4, 8))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+    assert random.getstate() == states[0]
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states[1]))
+
+
+def test_dynamo_door_draws_anew_each_call(fake_pg):
+    torch._dynamo.reset()
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = torch.optim.SGD(twin.parameters(), lr=0.1)
+    # the fake group of two ranks reduces nothing: "sum" keeps each gradient as eager has it
+    compiled = torch.compile(stochastic_depth_step, backend="spmd",
+                             options={"inductor": False, "reduce_op": "sum"})
+    for i in range(6):
+        x = torch.randn(4, 8)
+        random.seed(i)
+        compiled(model, opt, x)
+        random.seed(i)
+        stochastic_depth_step(twin, ref, x)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q)
