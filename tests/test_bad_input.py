@@ -249,6 +249,42 @@ def test_captured_real_tensor_is_named(fake_pg):
         step(model, opt, torch.randn(2, 8))
 
 
+def test_argument_whose_gradient_the_step_would_drop_is_refused(fake_pg):
+    """Features computed outside the step by another module (or a leaf input that requires
+    grad): eager backward would train that module (fill the input's ``.grad``); the compiled
+    step silently dropped those gradients before."""
+    model, opt = make()
+    encoder = nn.Linear(8, 8)
+    compiled = spmd_backend.compile()(good_step)
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdUsageError, match=r"reaches argument args\[2\], which is the output "
+                                             r"of an autograd graph outside the step \(Addmm"):
+        compiled(model, opt, encoder(torch.randn(2, 8)))
+    with pytest.raises(SpmdUsageError, match=r"args\[2\], which requires grad: eager backward "
+                                             r"would fill its .grad"):
+        compiled(model, opt, torch.randn(2, 8, requires_grad=True))
+    assert_untouched(before, model, opt)
+    assert encoder.weight.grad is None
+    compiled(model, opt, encoder(torch.randn(2, 8)).detach())  # the way out
+
+
+def test_input_the_step_marks_requires_grad_itself_is_fine(fake_pg):
+    """Adversarial examples (FGSM): the step asks for the input's gradient itself."""
+    model, opt = make()
+
+    @spmd_backend.compile()
+    def fgsm_step(model, optim, x):
+        x.requires_grad_(True)
+        model(x).sum().backward()
+        x_adv = (x + 0.1 * x.grad.sign()).detach()
+        optim.zero_grad()
+        model(x_adv).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    fgsm_step(model, opt, torch.randn(2, 8))
+
+
 def test_last_train_step_on_a_plain_graph(fake_pg):
     model, _ = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

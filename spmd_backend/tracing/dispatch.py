@@ -7,6 +7,8 @@
   (:mod:`spmd_backend.tracing.fused_optim`), and
 * stamps every fx node created while that op was dispatched with the phase and owning-module
   FQN reported by a :class:`TraceContext` (see :mod:`spmd_backend.graph.meta`), and
+* hands random ops to the context's ``rng`` (checkpoint recomputes replay the forward's draws:
+  :mod:`spmd_backend.tracing.random_state`), and
 * records which tensor each ``.item()`` read (``TraceContext.items``), so a step that returns
   ``loss.item()`` can return the tensor from the graph and take the number after it.
 
@@ -48,6 +50,10 @@ class TraceContext:
     phase_provider: Callable[[Phase], Phase] | None = None
     #: ``tensor.item()`` calls of the step: the symbol of each result -> the tensor it read
     items: dict[Any, torch.Tensor] = field(default_factory=dict)
+    #: runs the ops tagged ``nondeterministic_seeded`` (a
+    #: :class:`~spmd_backend.tracing.random_state.RandomReplay`: checkpoint recomputes replay
+    #: the forward's draws); None runs them as they are
+    rng: Any = None
 
     def phase(self) -> Phase:
         if self.in_optimizer:
@@ -86,6 +92,8 @@ class TraceMode(TorchDispatchMode):
         if func in INPLACE_TO_FUNCTIONAL:
             functional_fused_step(func, args, kwargs)
             out = None
+        elif self.ctx.rng is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            out = self.ctx.rng.run(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(out, SYM_TYPES):

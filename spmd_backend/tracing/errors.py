@@ -28,7 +28,8 @@ _LIBRARY_DIRS = (
 )
 
 
-def _is_user(frame: traceback.FrameSummary) -> bool:
+def is_user_frame(frame: traceback.FrameSummary) -> bool:
+    """A frame of the user's code: outside torch and spmd_backend, not generated code."""
     return not frame.filename.startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<")
 
 
@@ -38,7 +39,7 @@ def _describe(frame: traceback.FrameSummary) -> str:
 
 def user_frame(frames: Sequence[traceback.FrameSummary]) -> str:
     """The innermost frame outside torch and spmd_backend, described (or "")."""
-    user = [f for f in frames if _is_user(f)]
+    user = [f for f in frames if is_user_frame(f)]
     return _describe(user[-1]) if user else ""
 
 
@@ -54,7 +55,7 @@ def _frames(e: BaseException) -> list[traceback.FrameSummary]:
 
 
 def _where(e: BaseException, fn: Callable[..., Any]) -> str:
-    frames = [f for f in _frames(e) if _is_user(f)]
+    frames = [f for f in _frames(e) if is_user_frame(f)]
     step_file = getattr(getattr(fn, "__code__", None), "co_filename", None)
     parts = []
     in_step = [f for f in frames if f.filename == step_file]

@@ -185,7 +185,12 @@ class StepFunction:
             hyper={},
             grads=[to_functional(t) for t in inputs.grads],
             aux=[to_functional(t) for t in inputs.aux],
-            args=[to_functional(t) for t in inputs.args],
+            # an argument that requires grad keeps requiring it (reentrant checkpoint needs an
+            # input that does, or no parameter inside it gets a gradient)
+            args=[
+                to_functional(t).requires_grad_(_is_grad_leaf(binding.flat_args[j]))
+                for t, j in zip(inputs.args, layout.arg_inputs)
+            ],
         )
         for i, g in zip(layout.grad_inputs, lifted.grads):
             params[i].grad = g
@@ -296,7 +301,30 @@ class StepFunction:
             if fp.grad is not None:
                 layout.grad_outputs.append(i)
                 results.append(from_functional(fp.grad))
+        self._refuse_argument_gradients(lifted)
         return results
+
+    def _refuse_argument_gradients(self, lifted: LiftedState) -> None:
+        """An argument that requires grad and that the step's backward reached: eager would
+        fill its ``.grad`` or, for a tensor made by an autograd graph outside the step (an
+        encoder run before the call), backpropagate into that graph. The compiled step can do
+        neither, so it says so instead of dropping those gradients."""
+        paths = self.binding.arg_paths()
+        for fa, j in zip(lifted.args, self.layout.arg_inputs):
+            real = self.binding.flat_args[j]
+            if fa.grad is None or not real.requires_grad:  # the step's own requires_grad_()
+                continue
+            made_by = (f"is the output of an autograd graph outside the step "
+                       f"({type(real.grad_fn).__name__}): eager backward would backpropagate "
+                       "into the modules that made it" if real.grad_fn is not None else
+                       "requires grad: eager backward would fill its .grad")
+            raise SpmdUsageError(
+                f"spmd_backend.compile: the step's backward reaches argument {paths[j]}, which "
+                f"{made_by}, and a compiled step returns only its own module's gradients. "
+                "Detach it before the call (or create it with requires_grad=False), or move the "
+                "code that makes it into the step (a tensor the step marks with requires_grad_() "
+                "itself is fine). The model, the optimizer and the gradients are unchanged."
+            )
 
     def _state_outputs(self, lifted: LiftedState, traced_state: Any) -> list[torch.Tensor]:
         layout = self.layout
@@ -357,6 +385,11 @@ class StepFunction:
                 else:
                     real.copy_(from_functional(f))
         return outputs
+
+
+def _is_grad_leaf(t: torch.Tensor) -> bool:
+    """A tensor argument the step may differentiate with respect to, as eager would."""
+    return t.requires_grad and t.is_floating_point()
 
 
 def _user_tensor_hooks(param: torch.Tensor, fp: torch.Tensor) -> list[Any]:

@@ -47,7 +47,7 @@ from spmd_backend.tracing.hyperparams import slot_label
 from spmd_backend.tracing.key import Guard, hashable
 from spmd_backend.tracing.layout import StepLayout, plan_inputs
 from spmd_backend.tracing.overrides import Override, swapped_submodules
-from spmd_backend.tracing.python_random import refuse_python_randomness
+from spmd_backend.tracing.random_state import RandomReplay, traced_randomness
 from spmd_backend.tracing.schedulers import refuse_scheduler_steps
 from spmd_backend.tracing.shapes import ShapeGuard, symbolic_inputs
 from spmd_backend.tracing.sharding import ShardSpec
@@ -116,7 +116,8 @@ def trace_train_step(
     t0 = time.perf_counter()
     layout, real_inputs = plan_inputs(binding)
     annotator = ModuleAnnotator(binding.module)
-    ctx = TraceContext(fqn_provider=annotator.fqn, phase_provider=annotator.phase)
+    ctx = TraceContext(fqn_provider=annotator.fqn, phase_provider=annotator.phase,
+                       rng=RandomReplay())
     recorder = ReadRecorder()
     step = StepFunction(fn, binding, layout, ctx, mark_buffers=mark_buffers, recorder=recorder,
                         shard=shard)
@@ -125,7 +126,7 @@ def trace_train_step(
         with swapped_submodules(binding.module, overrides), \
                 torch.fx.traceback.preserve_node_meta(), lazy_graph_modules(), \
                 annotator.active(), torch.compiler._non_strict_tracing_context(), compiling(), \
-                refuse_scheduler_steps(), refuse_user_collectives(), refuse_python_randomness(), \
+                refuse_scheduler_steps(), refuse_user_collectives(), traced_randomness(ctx.rng), \
                 data_assignment_as_copy():
             if symbolic is None:
                 gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(

@@ -1,11 +1,15 @@
-"""Random numbers drawn from Python's or numpy's generator inside a step.
+"""Randomness inside a step that a replayed graph cannot repeat: Python's and numpy's generators,
+and torch's seeding functions.
 
 Mixup's ``lam = np.random.beta(a, a)`` or stochastic depth's ``random.random() < p`` were drawn
 once while the compile door traced the step and replayed as constants by every later call, with
 no warning. The compile door now refuses such a draw naming the line (or, for a function bound
 under another name before the trace, naming the generator whose state moved), leaving model,
 optimizer and both generators as they were. The Dynamo door draws anew each call and matches
-eager, as the error message says.
+eager, as the error message says. A checkpointed region's recompute replays its forward's
+draws (``tracing.random_state.RandomReplay``). Likewise ``torch.manual_seed(k)`` inside the step (the same
+dropout masks per step index) ran once while tracing; it is refused naming the line, while torch's
+own uses (checkpoint restoring the RNG state for its recompute) still run.
 """
 
 from __future__ import annotations
@@ -91,3 +95,57 @@ def test_dynamo_door_draws_anew_each_call(fake_pg):
         stochastic_depth_step(twin, ref, x)
         for p, q in zip(model.parameters(), twin.parameters()):
             torch.testing.assert_close(p, q)
+
+
+def seeded_dropout_step(model, opt, x, k):
+    torch.manual_seed(k)  # the same masks for the same step index
+    loss = nn.functional.dropout(model(x), 0.5).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_compile_door_refuses_seeding_inside_the_step(fake_pg):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    functions = torch.manual_seed, torch.get_rng_state, torch.set_rng_state
+    with pytest.raises(SpmdUsageError, match=r"calls torch.manual_seed\(\) \(.*torch.manual_seed\(k\)"):
+        spmd_backend.compile()(seeded_dropout_step)(model, opt, torch.randn(4, 8), 3)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert (torch.manual_seed, torch.get_rng_state, torch.set_rng_state) == functions  # restored
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_dropout_recomputes_the_forward_mask(fake_pg, reentrant):
+    """torch's checkpoint restores the generator state before its recompute, so the recompute
+    drops out what the forward dropped. In the compile door the recompute drew a fresh mask
+    (0.013 off eager after one step); it now replays the forward's draw, bit for bit eager, and
+    leaves the generator where eager leaves it."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    opt, ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+
+    def step(model, opt, x):
+        h = checkpoint(lambda t: nn.functional.dropout(model[1](t), 0.5), model[0](x),
+                       use_reentrant=reentrant)
+        loss = model[2](h).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    compiled = spmd_backend.compile()(step)
+    for i in range(3):
+        x = torch.randn(4, 8)
+        torch.manual_seed(i)
+        compiled(model, opt, x)
+        after = torch.get_rng_state()
+        torch.manual_seed(i)
+        step(twin, ref, x)
+        assert torch.equal(after, torch.get_rng_state())
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)

@@ -1,0 +1,236 @@
+"""Randomness in a traced step: what the replayed graph can repeat and what it cannot.
+
+``spmd_backend.compile`` traces the step once and replays its graph; Python code runs only while
+tracing. torch's random ops (``torch.rand``, dropout) are graph ops and draw anew on each call.
+Three things around them were silently wrong before:
+
+* **Checkpointed regions with dropout.** torch's checkpoint saves the generator state when a
+  region runs forward and restores it before the recompute, so the recompute draws the same
+  dropout mask. Saving and restoring a real generator while tracing puts nothing in the graph:
+  the recompute drew a fresh mask, and the gradient of every checkpointed dropout was computed
+  with another mask than the forward used (0.013 off eager after one step). While tracing,
+  :class:`RandomReplay` stands in for the default generator's state: ``get_rng_state()``
+  remembers how many random ops the trace has recorded, ``set_rng_state()`` of such a state
+  makes the next random ops replay the recorded ones (the graph reuses their values; dropout is
+  recomputed from its recorded mask, as torch's kernel computes it) instead of drawing again.
+  The same holds for a step that saves and restores the state itself (``torch.random.fork_rng``
+  around a side computation).
+* **A number drawn from Python's or numpy's global generator** (``lam = np.random.beta(a, a)``
+  for mixup, ``if random.random() < p:`` for stochastic depth) was drawn once and replayed as a
+  constant (mixup trained with one fixed ``lam``). The drawing functions of the ``random``
+  module and of ``numpy.random``'s global generator raise naming the line, and both generators'
+  states are compared after the trace (a draw through another name, ``from random import
+  random`` at import time, library code); both are left as they were.
+* **``torch.manual_seed(k)`` in the step** (the same dropout masks per step index) ran once,
+  while tracing. The step's own calls of ``manual_seed``, ``seed`` and ``set_rng_state`` of a
+  state not taken during the trace raise naming the line.
+
+Refusals are :class:`~spmd_backend.errors.SpmdUsageError`. Requires: the
+:class:`~spmd_backend.tracing.dispatch.TraceMode` of the trace hands every op tagged
+``nondeterministic_seeded`` to :meth:`RandomReplay.run`. Guarantees: every patched function and
+the Python/numpy generators' states are restored when the context exits. Not seen: generator
+objects of the user's own (``random.Random(0)``, ``np.random.default_rng()``, a
+``torch.Generator`` seeded inside the step); torch ops given an explicit ``generator=`` are run,
+never replayed (torch's checkpoint does not restore those either).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import traceback
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from spmd_backend.errors import SpmdTraceError, SpmdUsageError
+from spmd_backend.tracing.errors import is_user_frame, user_frame
+
+#: functions of a generator module that set or read its state without drawing
+_STATE_FUNCTIONS = frozenset({"getstate", "setstate", "get_state", "set_state", "seed"})
+
+
+def _refusal(source: str, where: str) -> SpmdUsageError:
+    at = f" ({where})" if where else ""
+    return SpmdUsageError(
+        f"spmd_backend.compile: the train step draws a random number from {source}{at}. The "
+        "compile door traces the step once, so the number would be drawn once and replayed by "
+        "every later call. Draw it with torch (torch.rand, torch.distributions: a tensor, drawn "
+        "anew each call; torch.where instead of an if on it), draw it outside the step and pass "
+        'it in as an argument, or compile with torch.compile(step, backend="spmd"). The model, '
+        "the optimizer and the random generators are unchanged."
+    )
+
+
+#: torch's functions that seed the default generator (set_rng_state is handled on its own)
+_TORCH_SEEDING = ("manual_seed", "seed")
+
+aten = torch.ops.aten
+
+
+@dataclass
+class RandomReplay:
+    """The default generator's state as the trace sees it: a position in the recorded draws.
+
+    ``recorded`` holds each random op the trace ran (op, and the values a replay reuses);
+    ``cursor`` is the position of the next draw: at the end, a new draw is traced and recorded;
+    before it (after ``set_rng_state`` of a state taken earlier), the recorded draw is reused.
+    """
+
+    recorded: list[tuple[Any, Any]] = field(default_factory=list)
+    cursor: int = 0
+    #: id of each real state tensor ``get_rng_state()`` returned while tracing -> (a weak
+    #: reference to it, the cursor then); by identity (a tensor's ``==`` is elementwise)
+    states: dict[int, tuple[Any, int]] = field(default_factory=dict)
+
+    def got_state(self, state: torch.Tensor) -> None:
+        self.states[id(state)] = (weakref.ref(state), self.cursor)
+
+    def set_state(self, state: torch.Tensor) -> bool:
+        """Move the cursor to where ``state`` was taken; False for a state taken elsewhere."""
+        ref, position = self.states.get(id(state), (None, 0))
+        if ref is None or ref() is not state:
+            return False
+        self.cursor = position
+        return True
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run (or replay) one op tagged ``nondeterministic_seeded``."""
+        if kwargs.get("generator") is not None or (
+            func is aten.native_dropout.default and len(args) > 2 and args[2] is False
+        ):  # an explicit generator; dropout in eval mode draws nothing
+            return func(*args, **kwargs)
+        if self.cursor == len(self.recorded):
+            out = func(*args, **kwargs)
+            # an in-place draw's tensor may change later (drop path's ``div_``): keep a copy,
+            # which dead-code elimination removes unless a replay reads it
+            kept = aten.clone.default(out) if func._schema.is_mutable else out
+            self.recorded.append((func, kept))
+            self.cursor += 1
+            return out
+        recorded, kept = self.recorded[self.cursor]
+        if recorded is not func:
+            raise SpmdTraceError(
+                f"a recomputed region draws random numbers with {func} where its forward drew "
+                f"with {recorded}; the trace cannot replay the forward's draws"
+            )
+        self.cursor += 1
+        if func is aten.native_dropout.default:  # recompute the output from the mask
+            inp, p = args[0], args[1]
+            scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+            return aten.mul.Tensor(aten.mul.Tensor(inp, kept[1]), scale), aten.alias.default(kept[1])
+        if func._schema.is_mutable:
+            target = kwargs["out"] if "out" in kwargs else args[0]
+            return target.copy_(kept)
+        return pytree.tree_map_only(torch.Tensor, aten.alias.default, kept)
+
+
+def _seeding_refusal(name: str, where: str) -> SpmdUsageError:
+    return SpmdUsageError(
+        f"spmd_backend.compile: the train step calls torch.{name}() ({where}). The compile "
+        "door traces the step once and replays its graph without running Python again, so the "
+        "generator would be set once, while tracing, and never again. Seed before calling the "
+        'compiled step, or compile with torch.compile(step, backend="spmd"). The model and the '
+        "optimizer are unchanged."
+    )
+
+
+def _generators() -> list[tuple[str, Any, Any, Any]]:
+    """(description, module, global generator instance, get-state function) of each generator."""
+    found: list[tuple[str, Any, Any, Any]] = [
+        ("Python's random module", random, random._inst, random.getstate)  # type: ignore[attr-defined]
+    ]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        legacy = np.random.mtrand._rand
+        found.append(("numpy.random's global generator", np.random, legacy, legacy.get_state))
+    return found
+
+
+@contextlib.contextmanager
+def traced_randomness(replay: RandomReplay) -> Iterator[None]:
+    """While active, torch's default-generator state is ``replay``'s, Python and numpy draws
+    and the step's torch seeding raise; see the module doc."""
+    generators = _generators()
+    states = [get() for _, _, _, get in generators]
+    patched: list[tuple[Any, str, Any]] = []
+
+    def refusing(source: str, original: Any) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise _refusal(source, user_frame(traceback.extract_stack()[:-1]))
+
+        refuse.__wrapped__ = original  # type: ignore[attr-defined]
+        return refuse
+
+    def refusing_seed(name: str, original: Any) -> Any:
+        def seed(*args: Any, **kwargs: Any) -> Any:
+            caller = traceback.extract_stack()[-2]
+            if is_user_frame(caller):
+                raise _seeding_refusal(name, user_frame([caller]))
+            return original(*args, **kwargs)
+
+        seed.__wrapped__ = original  # type: ignore[attr-defined]
+        return seed
+
+    def getting_state(original: Any) -> Any:
+        def get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+            state = original(*args, **kwargs)
+            replay.got_state(state)
+            return state
+
+        return get_rng_state
+
+    def setting_state(original: Any) -> Any:
+        def set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            if replay.set_state(state):
+                return original(state, *args, **kwargs)
+            caller = traceback.extract_stack()[-2]
+            if is_user_frame(caller):
+                raise _seeding_refusal("set_rng_state", user_frame([caller]))
+            return original(state, *args, **kwargs)
+
+        return set_rng_state
+
+    def patch(module: Any, name: str, wrapper: Any) -> None:
+        fn = getattr(module, name)
+        patched.append((module, name, fn))
+        setattr(module, name, wrapper(fn))
+
+    try:
+        # checkpoint and fork_rng look these up on torch, device modules on themselves
+        devices = [torch.cuda] if torch.cuda.is_available() else []
+        for module in (torch, torch.random, *devices):
+            patch(module, "get_rng_state", getting_state)
+            patch(module, "set_rng_state", setting_state)
+        for module in (torch, torch.random):
+            for name in _TORCH_SEEDING:
+                patch(module, name, lambda fn, name=name: refusing_seed(name, fn))
+        for source, module, instance, _ in generators:
+            for name in getattr(module, "__all__", ()):
+                fn = getattr(module, name, None)
+                if name not in _STATE_FUNCTIONS and getattr(fn, "__self__", None) is instance:
+                    patched.append((module, name, fn))
+                    setattr(module, name, refusing(source, fn))
+        yield
+        for (source, _, _, get), before in zip(generators, states):
+            if not _same_state(get(), before):
+                raise _refusal(source, "")
+    finally:
+        for module, name, fn in patched:
+            setattr(module, name, fn)
+        random.setstate(states[0])
+        if len(generators) > 1:
+            generators[1][2].set_state(states[1])
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Equal generator states: nested tuples of numbers, and numpy's holds an array."""
+    if isinstance(a, tuple):
+        return isinstance(b, tuple) and len(a) == len(b) and all(map(_same_state, a, b))
+    equal = a == b
+    return bool(equal.all()) if hasattr(equal, "all") else bool(equal)
