@@ -60,6 +60,51 @@ def aliased_step(model, opt, x):
     return loss.detach()
 
 
+RNG = np.random.default_rng(0)
+
+
+def own_generator_step(model, opt, x):
+    lam = float(RNG.beta(1.0, 1.0))
+    loss = (model(x) * lam).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+class NoisyLayer(nn.Module):
+    """Holds its own Python generator (a layer that perturbs its input by a random scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.rng = random.Random(0)
+
+    def forward(self, x):
+        return self.fc(x) * self.rng.uniform(0.5, 1.5)
+
+
+def noisy_step(model, opt, x):
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_own_generator_objects_are_refused_and_restored(fake_pg):
+    for model, step, generator, match in (
+        (_mlp(), own_generator_step, RNG, r"Generator global 'RNG' \(read by own_generator_step\)"),
+        (NoisyLayer(), noisy_step, None, r"Random attribute <root>.rng"),
+    ):
+        generator = generator or model.rng
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = copy.deepcopy(generator.bit_generator.state if generator is RNG
+                              else generator.getstate())
+        with pytest.raises(SpmdUsageError, match=match):
+            spmd_backend.compile()(step)(model, opt, torch.randn(4, 8))
+        after = generator.bit_generator.state if generator is RNG else generator.getstate()
+        assert after == state
+
+
 @pytest.mark.parametrize("step,match", [
     (mixup_step, r"numpy.random's global generator \(.*np.random.beta"),
     (stochastic_depth_step, r"Python's random module \(.*random.random\(\) < 0.5"),

@@ -22,6 +22,10 @@ would retrace every call), tensors (a captured tensor is the trace's business), 
 module and optimizer, GradScalers and schedulers (keyed elsewhere). Only ``vars()`` is read,
 never ``getattr``, so properties and ``__getattr__`` never run.
 
+:func:`random_generators` finds, the same way, the random generator objects of the user's
+(``rng = np.random.default_rng(0)``, ``self.rng = random.Random(0)``) whose draws a trace would
+bake in (:mod:`spmd_backend.tracing.random_state` refuses them).
+
 Guarantees: pure (reads, never writes), deterministic order, cost proportional to the names
 the step's code mentions (the code analysis is cached per code object).
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import sys
 import sysconfig
 import types
@@ -90,11 +95,22 @@ def _is_user_class(cls: type) -> bool:
 _SKIPPED = (torch.Tensor, torch.optim.Optimizer, GradScaler, LRScheduler, ReduceLROnPlateau)
 
 
+def is_random_generator(value: Any) -> bool:
+    """A Python or numpy random generator object (``random.Random(0)``,
+    ``np.random.default_rng()``, ``np.random.RandomState``)."""
+    if isinstance(value, random.Random):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, (np.random.Generator, np.random.RandomState))
+
+
 class _Walk:
     def __init__(self, skip_modules: set[int]) -> None:
         self.skip_modules = skip_modules
         self.out: list[tuple[str, Any]] = []
         self.seen: set[Any] = set()
+        #: random generator objects met on the way (label, generator)
+        self.generators: list[tuple[str, Any]] = []
 
     def function(self, fn: Callable[..., Any], label: str, self_label: str | None = None,
                  depth: int = 0) -> None:
@@ -138,6 +154,10 @@ class _Walk:
             self.out.append((label, hashable(value)))
             return
         if t in (list, dict, set) or isinstance(value, _SKIPPED):
+            return
+        if is_random_generator(value):
+            if not any(g is value for _, g in self.generators):
+                self.generators.append((label, value))
             return
         if isinstance(value, nn.Module):
             if id(value) not in self.skip_modules and id(value) not in self.seen:
@@ -206,14 +226,32 @@ def _user_methods(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[types.Fu
                 yield attr
 
 
+def _walk(fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]]) -> _Walk:
+    walk = _Walk({id(m) for _, m in modules})
+    walk.function(fn, getattr(fn, "__qualname__", "the step"))
+    for method in _user_methods(modules):
+        walk.function(method, method.__qualname__)
+    return walk
+
+
 def free_values(
     fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]] = ()
 ) -> tuple[tuple[str, Any], ...]:
     """``(label, hashable value)`` of each plain value the step ``fn``, and the methods of the
     user's module classes among ``modules`` (the bound module's tree, whose own attributes are
     keyed elsewhere), read from their globals and closures; in a deterministic order."""
-    walk = _Walk({id(m) for _, m in modules})
-    walk.function(fn, getattr(fn, "__qualname__", "the step"))
-    for method in _user_methods(modules):
-        walk.function(method, method.__qualname__)
-    return tuple(walk.out)
+    return tuple(_walk(fn, modules).out)
+
+
+def random_generators(
+    fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]] = ()
+) -> list[tuple[str, Any]]:
+    """``(label, generator)`` of each Python or numpy random generator object the step can
+    reach: found where :func:`free_values` looks, or held as an attribute by one of
+    ``modules`` (``self.rng = random.Random(0)``)."""
+    found = _walk(fn, modules).generators
+    for name, mod in modules:
+        for attr, value in vars(mod).items():
+            if is_random_generator(value) and not any(g is value for _, g in found):
+                found.append((f"attribute {name or '<root>'}.{attr}", value))
+    return found

@@ -28,10 +28,12 @@ Three things around them were silently wrong before:
 Refusals are :class:`~spmd_backend.errors.SpmdUsageError`. Requires: the
 :class:`~spmd_backend.tracing.dispatch.TraceMode` of the trace hands every op tagged
 ``nondeterministic_seeded`` to :meth:`RandomReplay.run`. Guarantees: every patched function and
-the Python/numpy generators' states are restored when the context exits. Not seen: generator
-objects of the user's own (``random.Random(0)``, ``np.random.default_rng()``, a
-``torch.Generator`` seeded inside the step); torch ops given an explicit ``generator=`` are run,
-never replayed (torch's checkpoint does not restore those either).
+the Python and numpy generators' states are restored when the context exits; the user's own
+generator objects that :func:`~spmd_backend.tracing.free_values.random_generators` finds (``rng =
+np.random.default_rng(0)``, ``self.rng = random.Random(0)``) are compared and restored too. Not
+seen: a generator object reached only through a list or dict or through an installed package's
+code, a ``torch.Generator`` seeded inside the step; torch ops given an explicit ``generator=`` are
+run, never replayed (torch's checkpoint does not restore those either).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import random
 import sys
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,24 +142,53 @@ def _seeding_refusal(name: str, where: str) -> SpmdUsageError:
     )
 
 
-def _generators() -> list[tuple[str, Any, Any, Any]]:
-    """(description, module, global generator instance, get-state function) of each generator."""
-    found: list[tuple[str, Any, Any, Any]] = [
-        ("Python's random module", random, random._inst, random.getstate)  # type: ignore[attr-defined]
-    ]
+@dataclass
+class _Generator:
+    """A Python or numpy generator whose draws a trace would bake in."""
+
+    description: str
+    instance: Any
+    #: the module whose functions draw from ``instance`` (patched to refuse), if any
+    module: Any = None
+
+    def get(self) -> Any:
+        inst = self.instance
+        if isinstance(inst, random.Random):
+            return inst.getstate()
+        if hasattr(inst, "bit_generator"):  # numpy.random.Generator
+            return inst.bit_generator.state
+        return inst.get_state()
+
+    def set(self, state: Any) -> None:
+        inst = self.instance
+        if isinstance(inst, random.Random):
+            inst.setstate(state)
+        elif hasattr(inst, "bit_generator"):
+            inst.bit_generator.state = state
+        else:
+            inst.set_state(state)
+
+
+def _generators(own: Sequence[tuple[str, Any]]) -> list[_Generator]:
+    """The global generators of Python and numpy, and ``own`` (the user's generator objects)."""
+    found = [_Generator("Python's random module", random._inst, random)]  # type: ignore[attr-defined]
     np = sys.modules.get("numpy")
     if np is not None:
-        legacy = np.random.mtrand._rand
-        found.append(("numpy.random's global generator", np.random, legacy, legacy.get_state))
+        found.append(_Generator("numpy.random's global generator", np.random.mtrand._rand,
+                                np.random))
+    found.extend(_Generator(f"{type(g).__name__} {label}", g) for label, g in own)
     return found
 
 
 @contextlib.contextmanager
-def traced_randomness(replay: RandomReplay) -> Iterator[None]:
+def traced_randomness(
+    replay: RandomReplay, own_generators: Sequence[tuple[str, Any]] = ()
+) -> Iterator[None]:
     """While active, torch's default-generator state is ``replay``'s, Python and numpy draws
-    and the step's torch seeding raise; see the module doc."""
-    generators = _generators()
-    states = [get() for _, _, _, get in generators]
+    and the step's torch seeding raise; see the module doc. ``own_generators``: the user's
+    generator objects the step can reach (``free_values.random_generators``)."""
+    generators = _generators(own_generators)
+    states = [g.get() for g in generators]
     patched: list[tuple[Any, str, Any]] = []
 
     def refusing(source: str, original: Any) -> Any:
@@ -210,26 +241,28 @@ def traced_randomness(replay: RandomReplay) -> Iterator[None]:
         for module in (torch, torch.random):
             for name in _TORCH_SEEDING:
                 patch(module, name, lambda fn, name=name: refusing_seed(name, fn))
-        for source, module, instance, _ in generators:
-            for name in getattr(module, "__all__", ()):
-                fn = getattr(module, name, None)
-                if name not in _STATE_FUNCTIONS and getattr(fn, "__self__", None) is instance:
-                    patched.append((module, name, fn))
-                    setattr(module, name, refusing(source, fn))
+        for g in generators:
+            for name in getattr(g.module, "__all__", ()):
+                fn = getattr(g.module, name, None)
+                if name not in _STATE_FUNCTIONS and getattr(fn, "__self__", None) is g.instance:
+                    patched.append((g.module, name, fn))
+                    setattr(g.module, name, refusing(g.description, fn))
         yield
-        for (source, _, _, get), before in zip(generators, states):
-            if not _same_state(get(), before):
-                raise _refusal(source, "")
+        for g, before in zip(generators, states):
+            if not _same_state(g.get(), before):
+                raise _refusal(g.description, "")
     finally:
         for module, name, fn in patched:
             setattr(module, name, fn)
-        random.setstate(states[0])
-        if len(generators) > 1:
-            generators[1][2].set_state(states[1])
+        for g, before in zip(generators, states):
+            g.set(before)
 
 
 def _same_state(a: Any, b: Any) -> bool:
-    """Equal generator states: nested tuples of numbers, and numpy's holds an array."""
+    """Equal generator states: nested tuples and dicts of numbers, and numpy's hold arrays."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _same_state(a[k], b[k]) for k in a)
     if isinstance(a, tuple):
         return isinstance(b, tuple) and len(a) == len(b) and all(map(_same_state, a, b))
     equal = a == b

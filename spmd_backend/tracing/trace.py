@@ -43,6 +43,7 @@ from spmd_backend.tracing.data_assignment import data_assignment_as_copy
 from spmd_backend.tracing.dispatch import TraceContext
 from spmd_backend.tracing.errors import trace_error
 from spmd_backend.tracing.finish import finish_graph
+from spmd_backend.tracing.free_values import random_generators
 from spmd_backend.tracing.hyperparams import slot_label
 from spmd_backend.tracing.key import Guard, hashable
 from spmd_backend.tracing.layout import StepLayout, plan_inputs
@@ -126,7 +127,7 @@ def trace_train_step(
         with swapped_submodules(binding.module, overrides), \
                 torch.fx.traceback.preserve_node_meta(), lazy_graph_modules(), \
                 annotator.active(), torch.compiler._non_strict_tracing_context(), compiling(), \
-                refuse_scheduler_steps(), refuse_user_collectives(), traced_randomness(ctx.rng), \
+                refuse_scheduler_steps(), refuse_user_collectives(), traced_randomness(ctx.rng, random_generators(fn, binding.modules)), \
                 data_assignment_as_copy():
             if symbolic is None:
                 gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
