@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
+import torch.nn as nn
 
 from spmd_backend import pipeline
 from spmd_backend.errors import SpmdUsageError
@@ -91,6 +92,9 @@ class CompiledGraph:
     compile_seconds: float
     rollback: RollbackPlan = RollbackPlan((), (), "")
     hyper_cache: dict = field(default_factory=dict)
+    #: (module, training) the step's own ``model.train()``/``eval()`` set while tracing; the
+    #: graph's replays do not run Python, so each successful run sets them again
+    mode_effects: tuple[tuple[nn.Module, bool], ...] = ()
 
     @property
     def layout(self) -> StepLayout:
@@ -244,14 +248,25 @@ class CompiledTrainStep:
         if binding.aux_objects and binding.params:
             prepare_grad_scalers(binding.aux_objects, binding.params[0].device)
         t0 = time.perf_counter()
-        traced = trace_train_step(
-            self.fn,
-            binding,
-            mark_buffers=mode.broadcast_buffers and bool(binding.buffers),
-            overrides=self.module_override,
-            recompile=False,
-            shard=self._shard_spec if binding.optimizer is not None else None,
-        )
+        modes = [m.training for _, m in binding.modules]
+        try:
+            traced = trace_train_step(
+                self.fn,
+                binding,
+                mark_buffers=mode.broadcast_buffers and bool(binding.buffers),
+                overrides=self.module_override,
+                recompile=False,
+                shard=self._shard_spec if binding.optimizer is not None else None,
+            )
+        finally:
+            # ``model.train()`` inside the step: the entry replays the switch after each
+            # successful run (a failed call leaves the modes as they were)
+            mode_effects = tuple(
+                (m, m.training) for (_, m), before in zip(binding.modules, modes)
+                if m.training != before
+            )
+            for (_, m), before in zip(binding.modules, modes):
+                m.training = before
         self.trace_count += 1
         after = dataclasses.replace(key, modules=module_state(binding.modules),
                                     free_values=binding.free_values())
@@ -296,6 +311,7 @@ class CompiledTrainStep:
             expansion=expansion,
             compile_seconds=time.perf_counter() - t0,
             rollback=rollback,
+            mode_effects=mode_effects,
         )
         if not bootstrap:
             self._cache.setdefault(key, []).append(entry)
@@ -345,7 +361,10 @@ class CompiledTrainStep:
             entry.runner, flat, kwargs, entry.rollback, lambda: self._collectives(entry)
         )
         self._last = entry
-        return layout.commit(binding, list(outs))
+        result = layout.commit(binding, list(outs))
+        for module, training in entry.mode_effects:
+            module.training = training
+        return result
 
 
 def compile(

@@ -268,6 +268,24 @@ def test_argument_whose_gradient_the_step_would_drop_is_refused(fake_pg):
     compiled(model, opt, encoder(torch.randn(2, 8)).detach())  # the way out
 
 
+def test_failed_trace_leaves_the_module_modes(fake_pg):
+    model, opt = make()
+    model.eval()
+
+    @spmd_backend.compile()
+    def step(model, optim, batch):
+        model.train()
+        loss = model(batch).sum()
+        if loss > 0:  # a Python decision on a tensor value: refused
+            loss = loss * 2
+        loss.backward()
+        optim.step()
+
+    with pytest.raises(SpmdTraceError, match="Python decision on a tensor's value"):
+        step(model, opt, torch.randn(2, 8))
+    assert not any(m.training for m in model.modules())
+
+
 def test_input_the_step_marks_requires_grad_itself_is_fine(fake_pg):
     """Adversarial examples (FGSM): the step asks for the input's gradient itself."""
     model, opt = make()

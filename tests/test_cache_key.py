@@ -65,6 +65,37 @@ def test_eval_after_train_retraces_and_matches_eager(fake_pg, caplog):
     assert compiled.trace_count == 2
 
 
+def train_mode_step(model, optim, x):
+    model.train()  # as many training loops begin their step
+    return step(model, optim, x)
+
+
+def test_model_train_inside_the_step_is_repeated_by_every_call(fake_pg, caplog):
+    """A validation pass leaves the model in eval mode; the step switches it back. The compiled
+    graph's replays ran no Python, so the model stayed in eval mode after the call (eager leaves
+    it in train mode), and code after the step saw the wrong mode."""
+    torch.manual_seed(0)
+    model = DropNorm()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(train_mode_step)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for i in range(4):
+            model.eval()
+            twin.eval()
+            x = torch.randn(8, 8)
+            torch.manual_seed(i)
+            loss = compiled(model, opt, x)
+            torch.manual_seed(i)
+            torch.testing.assert_close(loss, train_mode_step(twin, twin_opt, x))
+            assert [m.training for m in model.modules()] == [True] * 5, i
+    assert compiled.trace_count == 1  # traced once (eval at the call), replayed three times
+    assert not [r for r in caplog.records if "changed what it reads" in r.getMessage()]
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 def test_one_submodule_switching_mode_is_named(fake_pg, caplog):
     model = DropNorm()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
