@@ -325,3 +325,34 @@ def test_bad_parallel_mode_arguments():
         spmd_backend.compile(parallel_mode="ddp")
     with pytest.raises(SpmdUsageError, match="expected Override instances"):
         spmd_backend.compile(module_override=[object()])
+
+
+def test_zero_redundancy_optimizer_points_at_shard_optimizer(fake_pg):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model, _ = make()
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
+    with pytest.raises(SpmdUsageError, match=r"ZeroRedundancyOptimizer shards .*"
+                                             r"DataParallel\(shard_optimizer=True\)"):
+        spmd_backend.compile()(good_step)(model, opt, torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_ddp_wrapped_module_is_refused_naming_the_wrapper(fake_pg, door):
+    """Migrating from DDP with the wrapper still on: backend="spmd" ran DDP's eager forward
+    around the graphs, and the gradient audit blamed a graph break; spmd_backend.compile traced
+    DDP's forward, whose reducer failed on the next trace. Both name the wrapper now."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch._dynamo.reset()
+    model, opt = make()
+    ddp = DistributedDataParallel(model)
+    before = snapshot(model, opt)
+    compiled = (spmd_backend.compile()(good_step) if door == "compile" else
+                torch.compile(good_step, backend="spmd", options={"inductor": False}))
+    with pytest.raises(Exception, match=r"module wrapped in DistributedDataParallel \(MLP\).*"
+                                        r"ddp_model.module") as info:
+        compiled(ddp, opt, torch.randn(2, 8))
+    # raised before Dynamo traces the frame, as a backend failure (BackendCompilerFailed)
+    assert isinstance(getattr(info.value, "inner_exception", info.value), SpmdUsageError)
+    assert_untouched(before, model, opt)

@@ -1,5 +1,5 @@
-"""What the frame Dynamo is compiling for the spmd backend reaches directly, and the names of
-its modules' parameters.
+"""What the frame Dynamo is compiling for the spmd backend reaches directly, the names of
+its modules' parameters, and the refusal of a module wrapped in DistributedDataParallel.
 
 Requires: :func:`parameter_names` entered by the scope's frame hook around a frame's compile
 (``scope.install``). Guarantees: :func:`parameter_name` answers only while that frame is
@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from spmd_backend.errors import SpmdUsageError
 
 _names: list[dict[int, str]] = []
 
@@ -30,6 +32,25 @@ def frame_values(code: Any, frame_locals: Any, frame_globals: Any, closure: Any)
     names = getattr(code, "co_names", ())
     values.extend(frame_globals[n] for n in names if isinstance(frame_globals, dict) and n in frame_globals)
     return values
+
+
+def refuse_ddp_wrapper(values: list[Any]) -> Exception | None:
+    """The error for a module among ``values`` wrapped in DistributedDataParallel, else None.
+
+    DDP's forward and its reducer's hooks are eager code around the graphs (Dynamo splits the
+    step at them), so the gradient audit saw gradients no compiled backward reduced and blamed
+    a graph break. backend="spmd" is the data parallelism itself: it wants the bare module.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    for v in values:
+        if isinstance(v, DistributedDataParallel):
+            return SpmdUsageError(
+                'backend="spmd": the step uses a module wrapped in DistributedDataParallel '
+                f"({type(v.module).__name__}); the backend reduces the gradients itself. Pass "
+                "the bare module (ddp_model.module, or the model before wrapping it)"
+            )
+    return None
 
 
 @contextlib.contextmanager

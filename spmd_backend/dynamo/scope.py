@@ -77,8 +77,8 @@ class _Sharding:
     group: Any = None
     #: ``(optimizer, parameter)`` state entries created for this frame (undone on failure)
     created: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
-    #: why an optimizer of the frame cannot be sharded (the backend raises it: see
-    #: :func:`raise_refusal`)
+    #: why the frame cannot be compiled (an optimizer that cannot be sharded, a module
+    #: wrapped in DistributedDataParallel); the backend raises it: see :func:`raise_refusal`
     refused: Exception | None = None
 
 
@@ -95,9 +95,13 @@ def _innermost(compiler_fn: Any) -> Any:
     from torch._dynamo.eval_frame import innermost_backend
 
     try:
-        return innermost_backend(compiler_fn)
+        fn = innermost_backend(compiler_fn)
     except Exception:  # noqa: BLE001 - anything unexpected: not ours
         return None
+    # a frame that uses a DistributedDataParallel module: Dynamo's DDPOptimizer wraps the
+    # backend (its bound compile_fn); the frame is refused (frame.refuse_ddp_wrapper)
+    wrapped = getattr(getattr(fn, "__self__", None), "backend_compile_fn", None)
+    return _innermost(wrapped) if wrapped is not None else fn
 
 
 def _is_whole_step_backend(compiler_fn: Any) -> bool:
@@ -431,7 +435,8 @@ def _prepare_sharding(optimizers: list[Any]) -> None:
 
 
 def raise_refusal() -> None:
-    """Raise the reason an optimizer of the frame being compiled cannot be sharded, if any
+    """Raise the reason the frame being compiled is refused (a DDP-wrapped module, an
+    optimizer that cannot be sharded), if any
     (called by the backend: an error raised while Dynamo traces would reach the user as an
     internal Dynamo error)."""
     if _sharding.refused is not None:
@@ -456,11 +461,16 @@ def install() -> bool:
         global _sharding
         options = _backend_options(compiler_fn)
         outer = _sharding  # a frame compiled while another is (not expected)
-        with whole_step_scope(), frame.parameter_names(
-            frame.frame_values(code, locals, globals, closure)
-        ):
+        values = frame.frame_values(code, locals, globals, closure)
+        with whole_step_scope(), frame.parameter_names(values):
             optimizers = fresh_state.optimizers_of_frame(code, locals, globals, closure)
             _sharding = _Sharding(*(sharded_update.spec_for(options) or (None, None)))
+            refused = frame.refuse_ddp_wrapper(values)
+            if refused is not None:  # before anything of the frame runs; Dynamo passes a
+                # backend's failure through (anything else it reports as its own internal error)
+                from torch._dynamo.exc import BackendCompilerFailed
+
+                raise BackendCompilerFailed(compiler_fn, refused, None)
             _sharding.created = fresh_state.create_fresh_state(optimizers)
             try:
                 _prepare_sharding(optimizers)

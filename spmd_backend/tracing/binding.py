@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import GetAttrKey
 
 from spmd_backend.errors import SpmdUsageError
@@ -274,6 +275,16 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
     wrappers that step another optimizer of their own (SAM, Lookahead: the compiled step lifts
     only the given optimizer's state and param groups, so the inner one's momentum would not
     carry over between calls: measured 3% off DDP after four SAM steps)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise SpmdUsageError(
+            "spmd_backend.compile: ZeroRedundancyOptimizer shards the optimizer state through "
+            "collectives of its own, which a compiled step does not capture. Pass the optimizer "
+            "it wraps, created over all parameters (for example torch.optim.AdamW("
+            "model.parameters(), ...)), and compile with DataParallel(shard_optimizer=True): the "
+            "compiled step then keeps only this rank's shard of the state, as ZeRO does"
+        )
     for name, inner in vars(optimizer).items():
         if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
             raise SpmdUsageError(
@@ -319,6 +330,15 @@ def _module_and_optimizer(flat: list[Any]) -> tuple[nn.Module, torch.optim.Optim
         raise SpmdUsageError(
             f"spmd_backend.compile: the train step received {len(optims)} optimizers ({kinds}); "
             "at most one is supported. Use one optimizer with several param groups."
+        )
+    if isinstance(modules[0], DistributedDataParallel):
+        # its forward drives DDP's reducer, whose hooks sit on the real parameters (the trace
+        # runs on stand-ins): a second trace (a retrace) failed inside DDP
+        raise SpmdUsageError(
+            "spmd_backend.compile: the train step received a module wrapped in "
+            f"DistributedDataParallel ({type(modules[0].module).__name__}); the compiled step "
+            "reduces the gradients itself. Pass the bare module (ddp_model.module, or the model "
+            "before wrapping it)"
         )
     optimizer = optims[0] if optims else None
     if optimizer is not None:
