@@ -103,9 +103,7 @@ class RandomReplay:
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run (or replay) one op tagged ``nondeterministic_seeded``."""
-        if kwargs.get("generator") is not None or (
-            func is aten.native_dropout.default and len(args) > 2 and args[2] is False
-        ):  # an explicit generator; dropout in eval mode draws nothing
+        if kwargs.get("generator") is not None or not _draws(func, args, kwargs):
             return func(*args, **kwargs)
         if self.cursor == len(self.recorded):
             out = func(*args, **kwargs)
@@ -130,6 +128,19 @@ class RandomReplay:
             target = kwargs["out"] if "out" in kwargs else args[0]
             return target.copy_(kept)
         return pytree.tree_map_only(torch.Tensor, aten.alias.default, kept)
+
+
+def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of an op tagged ``nondeterministic_seeded`` draws random numbers: the
+    attention kernels carry the tag for their dropout, and draw nothing at ``dropout_p=0`` (a
+    checkpoint recompute then recomputes them instead of keeping the forward's outputs alive);
+    dropout in eval mode draws nothing either."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in ("dropout_p", "train"):
+            value = kwargs[arg.name] if arg.name in kwargs else (
+                args[i] if i < len(args) else arg.default_value)
+            return value != 0 if arg.name == "dropout_p" else value is not False
+    return True
 
 
 def _seeding_refusal(name: str, where: str) -> SpmdUsageError:
