@@ -18,6 +18,8 @@ import torch.nn as nn
 import spmd_backend
 from spmd_backend import SpmdUsageError
 
+bound_before_the_trace = dist.all_reduce  # ``from torch.distributed import all_reduce``
+
 
 def token_normalized_step(model, opt, x):
     out = model(x)
@@ -65,3 +67,20 @@ def test_a_collective_in_the_step_is_refused_by_the_compile_door(fake_pg):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters()) and not opt.state
     assert dist.all_reduce.__name__ == "all_reduce"  # torch's own function again
+
+
+def test_a_collective_bound_under_another_name_is_refused_too(fake_pg):
+    """A name bound before the trace escapes the patched module attribute; its op reaches the
+    trace's dispatch mode (before: "internal: 5 placeholders for 4 planned inputs")."""
+    def step(model, opt, x):
+        n = torch.tensor(float(x.shape[0]))
+        bound_before_the_trace(n)
+        (model(x).pow(2).sum() / n).backward()
+        opt.step()
+
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(SpmdUsageError, match=r"calls a torch.distributed collective "
+                       r"\(c10d::allreduce_\) \(at .*bound_before_the_trace\(n\)"):
+        spmd_backend.compile()(step)(model, opt, torch.randn(4, 8))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state

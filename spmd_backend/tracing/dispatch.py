@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmd_backend.graph.meta import Phase, annotate
 from spmd_backend.tracing.fused_optim import INPLACE_TO_FUNCTIONAL, functional_fused_step
+from spmd_backend.tracing.user_collectives import refusal
 
 #: the symbolic Python numbers a traced ``.item()`` returns
 SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -92,6 +93,8 @@ class TraceMode(TorchDispatchMode):
         if func in INPLACE_TO_FUNCTIONAL:
             functional_fused_step(func, args, kwargs)
             out = None
+        elif func.namespace == "c10d":  # a collective the step issues under another name
+            raise refusal(f"a torch.distributed collective ({func._schema.name})")
         elif self.ctx.rng is not None and torch.Tag.nondeterministic_seeded in func.tags:
             out = self.ctx.rng.run(func, args, kwargs)
         else:

@@ -9,9 +9,12 @@ the call and the two ways out (compute it outside the step and pass it in; or
 ``torch.compile(step, backend="spmd")``, which captures it and matches DDP). The call is refused
 before it runs, on every rank alike, so no rank waits for a peer.
 
-Requires: nothing. Guarantees: the functions are restored when the context exits. A collective
-bound under another name before the trace (``from torch.distributed import all_reduce``) is not
-seen.
+A collective bound under another name before the trace (``from torch.distributed import
+all_reduce``) is not patched; its op (namespace ``c10d``) reaches the trace's dispatch mode,
+which raises the same refusal (:func:`refusal`; before, the trace failed with "internal: 5
+placeholders for 4 planned inputs").
+
+Requires: nothing. Guarantees: the functions are restored when the context exits.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ COLLECTIVES = (
 )
 
 
-def _refusal(name: str) -> SpmdUsageError:
+def refusal(what: str) -> SpmdUsageError:
+    """The error for a collective the step calls (``what``: how to name it), at the user's
+    line."""
     where = user_frame(traceback.extract_stack()[:-2])
     at = f" (at {where})" if where else ""
     return SpmdUsageError(
-        f"spmd_backend.compile: the train step calls torch.distributed.{name}(){at}. The "
+        f"spmd_backend.compile: the train step calls {what}{at}. The "
         "compile door traces the step into one graph and does not capture collectives the step "
         "issues itself. Compute the value outside the step and pass it in as an argument, or "
         'compile the step with torch.compile(step, backend="spmd"), which captures the '
@@ -54,7 +59,7 @@ def refuse_user_collectives() -> Iterator[None]:
 
     def refusing(name: str) -> Any:
         def refuse(*args: Any, **kwargs: Any) -> None:
-            raise _refusal(name)
+            raise refusal(f"torch.distributed.{name}()")
 
         return refuse
 
