@@ -8,10 +8,17 @@ must be back to torch's own.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
 import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd_backend
 
 SCRIPT = textwrap.dedent(
     """
@@ -19,6 +26,7 @@ SCRIPT = textwrap.dedent(
     from torch._dynamo.utils import counters
     from torch._dynamo.output_graph import OutputGraph
     from torch._dynamo.variables.functions import SkipFunctionVariable
+    from torch._dynamo.variables.builtin import SetAttrBuiltinVariable
     from torch._dynamo.variables.optimizer import OptimizerVariable
     from torch._dynamo.variables.tensor import TensorVariable
     from torch._dynamo.side_effects import SideEffects
@@ -51,6 +59,7 @@ SCRIPT = textwrap.dedent(
                 id(SideEffects.store_attr), id(TensorVariable.method_attr_grad),
                 id(TensorVariable.method_attr_requires_grad),
                 id(OutputGraph._validate_outputs_safe_for_autograd_nodes),
+                id(SetAttrBuiltinVariable._call_setattr),
                 torch._dynamo.config.trace_autograd_ops]
 
     stock_before, methods_before = run("eager"), methods()
@@ -104,3 +113,35 @@ def test_none_and_true_stay_constants_after_reading_grad(fake_pg):
     shared = (constant.CONSTANT_VARIABLE_NONE, constant.CONSTANT_VARIABLE_TRUE,
               constant.CONSTANT_VARIABLE_FALSE)
     assert all(c.source is None for c in shared), [c.source for c in shared]
+
+
+def manual_sgd_step(model, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad  # rebinds p to the in-place result
+            p.grad = None
+    return loss.detach()
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_hand_written_sgd_clears_its_gradients(fake_pg, door):
+    """torch 2.13's Dynamo dropped ``p.grad = None`` after ``p -= lr * p.grad``: the gradients
+    stayed and the next backward accumulated onto them (0.13 off DDP after four steps through
+    backend="spmd"; plain torch.compile has the same bug). The scope sends the store to the
+    parameter's own variable."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    twin = copy.deepcopy(model)
+    compiled = (spmd_backend.compile()(manual_sgd_step) if door == "compile" else
+                torch.compile(manual_sgd_step, backend="spmd",
+                              options={"inductor": False, "reduce_op": "sum"}))
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        compiled(model, x)
+        manual_sgd_step(twin, x)
+        assert all(p.grad is None for p in model.parameters())
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)

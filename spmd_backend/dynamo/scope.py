@@ -23,7 +23,9 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
 * keeps parameters graph inputs when the frame reads ``optimizer.param_groups`` before the
   forward (``zero_grad()`` first), and gives ``p.grad``/``p.requires_grad`` reads a constant
   of their own instead of torch's shared None/True/False (whose source torch overwrites);
-* replays attribute stores on an optimizer object (torch 2.13 drops them);
+* replays attribute stores on an optimizer object (torch 2.13 drops them), and a ``.grad``
+  store on a parameter rebound by an in-place operator (``p -= lr * p.grad; p.grad = None``,
+  which torch 2.13 drops too);
 * traces the fused optimizers (``_fused_adam``...) Dynamo otherwise skips;
 * creates a fresh optimizer's state before the frame is traced
   (:mod:`spmd_backend.dynamo.fresh_state`), so a step compiles once instead of twice.
@@ -345,6 +347,44 @@ def _optimizer_attribute_stores() -> Patch:
     return (SideEffects, "store_attr", store_attr)
 
 
+def _grad_stores_through_inplace_results() -> Patch:
+    """``p.grad = None`` after ``p -= lr * p.grad`` (a hand-written SGD update in a loop over
+    the parameters) is replayed.
+
+    ``p -= x`` rebinds ``p`` to the in-place operator's result; torch 2.13 gives that result a
+    variable of its own, without the parameter's source, and a ``.grad`` store on it is
+    recorded there and never replayed (plain ``torch.compile`` too): the gradients stayed after the call and the next
+    backward accumulated onto them (0.13 off DDP after four steps). A ``.grad`` store on such
+    a variable goes to the variable of the graph input holding the same tensor."""
+    from torch._dynamo.variables.builtin import SetAttrBuiltinVariable
+
+    original = SetAttrBuiltinVariable._call_setattr
+
+    def _call_setattr(self: Any, tx: Any, obj: Any, name_var: Any, val: Any) -> Any:
+        if (
+            obj.is_tensor() and getattr(obj, "source", None) is None
+            and name_var.is_python_constant() and name_var.as_python_constant() in ("grad", "_grad")
+        ):
+            obj = _tracked_variable_of_same_tensor(tx, obj) or obj
+        return original(self, tx, obj, name_var, val)
+
+    return (SetAttrBuiltinVariable, "_call_setattr", _call_setattr)
+
+
+def _tracked_variable_of_same_tensor(tx: Any, var: Any) -> Any:
+    """The attribute-tracked variable of a graph input (it has a source) whose fake tensor is
+    ``var``'s."""
+    example = var.as_proxy().node.meta.get("example_value")
+    if example is None:
+        return None
+    for tracked in tx.output.side_effects.id_to_variable.values():
+        if tracked is var or not tracked.is_tensor() or getattr(tracked, "source", None) is None:
+            continue
+        if tracked.as_proxy().node.meta.get("example_value") is example:
+            return tracked
+    return None
+
+
 def _fresh_constants_for_tensor_attributes() -> list[Patch]:
     """``p.grad`` (None) and ``p.requires_grad`` read inside the step get a constant of their
     own.
@@ -386,7 +426,8 @@ def _patches() -> list[Patch]:
     return [
         _inline_disabled(traceable), _skipped_calls(traceable), _init_group_traced(),
         _return_loss_detached(), _backward_of_upstream_loss(), _params_stay_graph_inputs(),
-        _optimizer_attribute_stores(), *_fresh_constants_for_tensor_attributes(),
+        _optimizer_attribute_stores(), _grad_stores_through_inplace_results(),
+        *_fresh_constants_for_tensor_attributes(),
     ]
 
 
