@@ -210,6 +210,7 @@ def spmd_dynamo_backend(
     graphs.functionalize_fused_optimizers(gm)
     whole_step = bool(graphs.autograd_grad_calls(gm.graph))
     if whole_step:
+        graphs.refuse_data_and_gradient_mutation(gm, inputs)
         marked = graphs.mark_gradients(gm, inputs)
         counters["spmd"]["whole_step_graphs"] += 1
         log.info('backend="spmd": whole-step graph with %d gradient(s)', len(marked))

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 import spmd_backend
+from spmd_backend import SpmdUsageError
 
 SCRIPT = textwrap.dedent(
     """
@@ -143,5 +144,42 @@ def test_hand_written_sgd_clears_its_gradients(fake_pg, door):
         compiled(model, x)
         manual_sgd_step(twin, x)
         assert all(p.grad is None for p in model.parameters())
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def data_update_step(model, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-0.1)
+        p.grad.zero_()
+    return loss.detach()
+
+
+def test_data_update_with_gradient_zeroing_is_refused_before_it_runs(fake_pg):
+    """Once the gradients exist, torch 2.13's AOTAutograd mis-orders the input mutations of
+    this graph: the call failed after writing the first parameter. It is refused while
+    compiling, with nothing changed; the compile door runs it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(data_update_step, backend="spmd",
+                             options={"inductor": False, "reduce_op": "sum"})
+    x = torch.randn(4, 8)
+    compiled(model, x)  # no gradients yet: its graph does not mutate one
+    data_update_step(twin, x)
+    before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
+    with pytest.raises(Exception, match=r"updates '0.weight' through .data in place") as info:
+        compiled(model, torch.randn(4, 8))
+    assert isinstance(getattr(info.value, "inner_exception", info.value), SpmdUsageError)
+    for (w, g), p in zip(before, model.parameters()):
+        assert torch.equal(w, p) and torch.equal(g, p.grad)
+    door = spmd_backend.compile()(data_update_step)  # the compile door runs it
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        door(model, x)
+        data_update_step(twin, x)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)

@@ -27,6 +27,9 @@ from spmd_backend.errors import SpmdUsageError
 class _Audit:
     """The hook: counts reduced gradients pending accumulation into one parameter."""
 
+    #: not a user's hook: the compile door does not run it in its trace
+    spmd_internal = True
+
     def __init__(self, fqn: str) -> None:
         self.fqn = fqn
         self.pending = 0

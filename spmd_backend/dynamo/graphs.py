@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spmd_backend.dynamo import frame
+from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import INPUT_KIND_KEY, Phase, annotate, annotated, owner_of
 from spmd_backend.graph.utils import get_output
@@ -181,6 +182,46 @@ def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> list[int]:
     gm.graph.lint()
     gm.recompile()
     return marked
+
+
+def _mutated_in_place(node: fx.Node) -> bool:
+    return any(
+        u.op == "call_method" and str(u.target).endswith("_") and not str(u.target).startswith("_")
+        and u.args and u.args[0] is node
+        for u in node.users
+    )
+
+
+def refuse_data_and_gradient_mutation(gm: fx.GraphModule, inputs: DynamoInputs) -> None:
+    """Refuse a whole-step graph that mutates a parameter through ``.data`` and an incoming
+    gradient in place (``p.data.add_(p.grad, alpha=-lr); p.grad.zero_()``, a hand-written
+    update once the gradients exist).
+
+    torch 2.13's AOTAutograd mis-orders its input-mutation epilogue for that graph (stock
+    ``torch.compile`` with ``trace_autograd_ops`` too): the call failed copying a (16, 8)
+    result into an (8,) input after it had already written the first parameter. Refused
+    while compiling, before the graph runs; the same update under ``torch.no_grad()``
+    without ``.data`` compiles."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    grads_mutated = any(
+        inputs.kinds.get(i) == "grad" and _mutated_in_place(n) for i, n in enumerate(placeholders)
+    )
+    data_mutated = [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is torch._C._autograd._get_data_attr
+        and _mutated_in_place(n)
+    ]
+    if grads_mutated and data_mutated:
+        index = placeholders.index(data_mutated[0].args[0]) if data_mutated[0].args[0] in \
+            placeholders else None
+        name = inputs.fqns.get(index, "a parameter") if index is not None else "a parameter"
+        raise SpmdUsageError(
+            f'backend="spmd": the step updates {name!r} through .data in place and changes its '
+            "gradient in place (p.data.add_(p.grad, ...); p.grad.zero_()); torch 2.13 cannot "
+            "compile that pair correctly once the gradients exist. Write the update as "
+            "`with torch.no_grad(): p.add_(p.grad, alpha=-lr)` (or use an optimizer), or compile "
+            "with spmd_backend.compile"
+        )
 
 
 def functionalize_fused_optimizers(gm: fx.GraphModule) -> int:

@@ -399,9 +399,13 @@ def _user_tensor_hooks(param: torch.Tensor, fp: torch.Tensor) -> list[Any]:
     Registered before the gradient markers, they run where they run under DDP: a tensor hook on
     this rank's gradient before it is accumulated and reduced, a post-accumulate hook on the
     accumulated local gradient before it is reduced. The key holds the hooks (a hook added or
-    removed retraces), so the graph holds the hooks of the call that traced it.
+    removed retraces), so the graph holds the hooks of the call that traced it. Hooks marked
+    ``spmd_internal`` (the Dynamo door's gradient audit on a parameter both doors used) are
+    not the user's and are skipped.
     """
-    handles = [fp.register_hook(h) for h in (getattr(param, "_backward_hooks", None) or {}).values()]
+    handles = [fp.register_hook(h) for h in (getattr(param, "_backward_hooks", None) or {}).values()
+               if not getattr(h, "spmd_internal", False)]
     post = getattr(param, "_post_accumulate_grad_hooks", None) or {}
-    handles.extend(fp.register_post_accumulate_grad_hook(h) for h in post.values())
+    handles.extend(fp.register_post_accumulate_grad_hook(h) for h in post.values()
+                   if not getattr(h, "spmd_internal", False))
     return handles
