@@ -35,6 +35,10 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
   (:mod:`spmd_backend.dynamo.sharded_update`); a refused optimizer is raised by the backend
   (:func:`raise_refusal`).
 
+The torch 2.13 faults among these (parameters reached through ``param_groups``, the shared
+constants, stores dropped on an optimizer or on an in-place result) live in
+:mod:`spmd_backend.dynamo.faults`.
+
 Scoping: :func:`install` wraps ``torch._dynamo.convert_frame.compile_frame`` (the function
 Dynamo calls for every frame, resume frames included) with a pass-through that enters the scope
 only when the frame's backend is marked by :func:`mark_whole_step`. Dynamo holds its compile
@@ -51,18 +55,15 @@ import dataclasses
 import functools
 import inspect
 import itertools
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from spmd_backend.dynamo import frame, fresh_state, sharded_update
+from spmd_backend.dynamo import faults, frame, fresh_state, sharded_update
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.sharding import ShardSpec
-
-log = logging.getLogger(__name__)
 
 #: the torch versions whose internals this module adjusts
 SUPPORTED = torch.__version__.startswith("2.13.")
@@ -165,7 +166,7 @@ def _scheduler_wrapper_code() -> Any:
     return opt.step.__code__
 
 
-Patch = tuple[Any, str, Any]
+Patch = faults.Patch
 
 
 def _inline_disabled(traceable: set[Any]) -> Patch:
@@ -296,138 +297,12 @@ def _backward_of_upstream_loss() -> Patch:
     return (TensorVariable, "method_backward", method_backward)
 
 
-def _params_stay_graph_inputs() -> Patch:
-    """Reading ``optimizer.param_groups`` does not pin the parameters as graph attributes.
-
-    Dynamo marks every parameter "static, guarded" the first time a frame reads
-    ``param_groups`` (for CUDA graphs), and a tensor so marked is installed as a ``get_attr``
-    rather than a graph input. ``loss.backward()`` then finds no parameters to differentiate
-    (its leaves are the frame's inputs), so a step that calls ``optimizer.zero_grad()`` before
-    the forward, the order most training loops use, lost its backward. Parameters stay inputs
-    here, whichever object the frame reaches them through first; the backend lowers without
-    CUDA graphs."""
-    from torch._dynamo.variables.optimizer import OptimizerVariable
-    from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
-
-    original = OptimizerVariable.var_getattr
-
-    def var_getattr(self: Any, tx: Any, name: str) -> Any:
-        if name == "param_groups":
-            self._set_capturable(tx)
-            return UserDefinedObjectVariable.var_getattr(self, tx, name)
-        return original(self, tx, name)
-
-    return (OptimizerVariable, "var_getattr", var_getattr)
-
-
-def _optimizer_attribute_stores() -> Patch:
-    """An attribute stored on an optimizer inside the step (``self.k += 1`` in a custom
-    ``step()``, an LR scheduler's ``_opt_called``) is replayed after each call.
-
-    torch 2.13 builds an optimizer's variable as mutable but never registers it with the side
-    effects it replays, so such stores were dropped: the graph baked the first call's value
-    and later calls saw the attribute unchanged, training silently wrong. The first store
-    registers the optimizer (later stores through another variable of the same optimizer go
-    to the registered one)."""
-    from torch._dynamo.side_effects import SideEffects
-    from torch._dynamo.variables.optimizer import OptimizerVariable
-
-    original = SideEffects.store_attr
-
-    def store_attr(self: Any, item: Any, name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(item, OptimizerVariable):
-            tracked = self.id_to_variable.get(id(item.value))
-            if tracked is None:
-                self.id_to_variable[id(item.value)] = item
-                self.keepalive.append(item.value)
-            else:
-                item = tracked
-        return original(self, item, name, value, *args, **kwargs)
-
-    return (SideEffects, "store_attr", store_attr)
-
-
-def _grad_stores_through_inplace_results() -> Patch:
-    """``p.grad = None`` after ``p -= lr * p.grad`` (a hand-written SGD update in a loop over
-    the parameters) is replayed.
-
-    ``p -= x`` rebinds ``p`` to the in-place operator's result; torch 2.13 gives that result a
-    variable of its own, without the parameter's source, and a ``.grad`` store on it is
-    recorded there and never replayed (plain ``torch.compile`` too): the gradients stayed after the call and the next
-    backward accumulated onto them (0.13 off DDP after four steps). A ``.grad`` store on such
-    a variable goes to the variable of the graph input holding the same tensor."""
-    from torch._dynamo.variables.builtin import SetAttrBuiltinVariable
-
-    original = SetAttrBuiltinVariable._call_setattr
-
-    def _call_setattr(self: Any, tx: Any, obj: Any, name_var: Any, val: Any) -> Any:
-        if (
-            obj.is_tensor() and getattr(obj, "source", None) is None
-            and name_var.is_python_constant() and name_var.as_python_constant() in ("grad", "_grad")
-        ):
-            obj = _tracked_variable_of_same_tensor(tx, obj) or obj
-        return original(self, tx, obj, name_var, val)
-
-    return (SetAttrBuiltinVariable, "_call_setattr", _call_setattr)
-
-
-def _tracked_variable_of_same_tensor(tx: Any, var: Any) -> Any:
-    """The attribute-tracked variable of a graph input (it has a source) whose fake tensor is
-    ``var``'s."""
-    example = var.as_proxy().node.meta.get("example_value")
-    if example is None:
-        return None
-    for tracked in tx.output.side_effects.id_to_variable.values():
-        if tracked is var or not tracked.is_tensor() or getattr(tracked, "source", None) is None:
-            continue
-        if tracked.as_proxy().node.meta.get("example_value") is example:
-            return tracked
-    return None
-
-
-def _fresh_constants_for_tensor_attributes() -> list[Patch]:
-    """``p.grad`` (None) and ``p.requires_grad`` read inside the step get a constant of their
-    own.
-
-    torch 2.13 answers both with its shared None/True/False constants and then sets that
-    shared object's source to ``p.grad``/``p.requires_grad``: every later None or True of
-    the process (in this frame, and in frames compiled after it, ours or not) was then rebuilt
-    from that tensor attribute instead of being a constant. A step that calls ``zero_grad()``
-    before the forward read ``.grad`` of a parameter reached through the optimizer, and the
-    next model compiled in the process set its gradients from
-    ``optim.param_groups[0]['params'][5].grad`` of the first (an IndexError, or a wrong
-    tensor where the index exists)."""
-    from torch._dynamo.variables import constant
-    from torch._dynamo.variables.tensor import TensorVariable
-
-    def fresh(original: Callable[..., Any]) -> Callable[..., Any]:
-        def handler(self: Any, tx: Any) -> Any:
-            result = original(self, tx)
-            if any(result is c for c in _shared_constants(constant)):
-                return constant.ConstantVariable(result.value)
-            return result
-
-        return handler
-
-    return [
-        (TensorVariable, name, fresh(TensorVariable.__dict__[name]))
-        for name in ("method_attr_grad", "method_attr_requires_grad")
-    ]
-
-
-def _shared_constants(constant: Any) -> tuple[Any, ...]:
-    return (constant.CONSTANT_VARIABLE_NONE, constant.CONSTANT_VARIABLE_TRUE,
-            constant.CONSTANT_VARIABLE_FALSE)
-
-
 def _patches() -> list[Patch]:
     """(owner, attribute, replacement) for every adjustment of the scope."""
     traceable = _optimizer_functions()
     return [
         _inline_disabled(traceable), _skipped_calls(traceable), _init_group_traced(),
-        _return_loss_detached(), _backward_of_upstream_loss(), _params_stay_graph_inputs(),
-        _optimizer_attribute_stores(), _grad_stores_through_inplace_results(),
-        *_fresh_constants_for_tensor_attributes(),
+        _return_loss_detached(), _backward_of_upstream_loss(), *faults.fault_patches(),
     ]
 
 
@@ -450,19 +325,7 @@ def whole_step_scope() -> Iterator[None]:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
         _state["active"] -= 1
-        _unsource_shared_constants()
-
-
-def _unsource_shared_constants() -> None:
-    """Give torch's shared None/True/False constants back their (absent) source, should any
-    other path of the frame have set one (see :func:`_fresh_constants_for_tensor_attributes`)."""
-    from torch._dynamo.variables import constant
-
-    for c in _shared_constants(constant):
-        if c.source is not None:
-            log.warning('backend="spmd": torch\'s shared constant %r had the source %s after a '
-                        "frame was compiled; reset", c.value, c.source.name)
-            c.source = None
+        faults.unsource_shared_constants()
 
 
 def _prepare_sharding(optimizers: list[Any]) -> None:

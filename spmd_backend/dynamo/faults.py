@@ -1,0 +1,161 @@
+"""torch 2.13 Dynamo faults the whole-step scope works around (:mod:`spmd_backend.dynamo.scope`).
+
+Each function returns ``(owner, attribute, replacement)`` patches that the scope installs while
+one frame is traced for backend="spmd" and restores afterwards; each docstring says what torch
+2.13 does wrong and what the replacement does. :func:`unsource_shared_constants` is the scope's
+check after a frame. Requires: torch 2.13 (the scope installs nothing on another version).
+Guarantees: nothing is patched by importing this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: (owner, attribute, replacement)
+Patch = tuple[Any, str, Any]
+
+
+def fault_patches() -> list[Patch]:
+    """The patches for every fault below."""
+    return [params_stay_graph_inputs(), optimizer_attribute_stores(),
+            grad_stores_through_inplace_results(), *fresh_constants_for_tensor_attributes()]
+
+
+def params_stay_graph_inputs() -> Patch:
+    """Reading ``optimizer.param_groups`` does not pin the parameters as graph attributes.
+
+    Dynamo marks every parameter "static, guarded" the first time a frame reads
+    ``param_groups`` (for CUDA graphs), and a tensor so marked is installed as a ``get_attr``
+    rather than a graph input. ``loss.backward()`` then finds no parameters to differentiate
+    (its leaves are the frame's inputs), so a step that calls ``optimizer.zero_grad()`` before
+    the forward, the order most training loops use, lost its backward. Parameters stay inputs
+    here, whichever object the frame reaches them through first; the backend lowers without
+    CUDA graphs."""
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+    from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+
+    original = OptimizerVariable.var_getattr
+
+    def var_getattr(self: Any, tx: Any, name: str) -> Any:
+        if name == "param_groups":
+            self._set_capturable(tx)
+            return UserDefinedObjectVariable.var_getattr(self, tx, name)
+        return original(self, tx, name)
+
+    return (OptimizerVariable, "var_getattr", var_getattr)
+
+
+def optimizer_attribute_stores() -> Patch:
+    """An attribute stored on an optimizer inside the step (``self.k += 1`` in a custom
+    ``step()``, an LR scheduler's ``_opt_called``) is replayed after each call.
+
+    torch 2.13 builds an optimizer's variable as mutable but never registers it with the side
+    effects it replays, so such stores were dropped: the graph baked the first call's value
+    and later calls saw the attribute unchanged, training silently wrong. The first store
+    registers the optimizer (later stores through another variable of the same optimizer go
+    to the registered one)."""
+    from torch._dynamo.side_effects import SideEffects
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+
+    original = SideEffects.store_attr
+
+    def store_attr(self: Any, item: Any, name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(item, OptimizerVariable):
+            tracked = self.id_to_variable.get(id(item.value))
+            if tracked is None:
+                self.id_to_variable[id(item.value)] = item
+                self.keepalive.append(item.value)
+            else:
+                item = tracked
+        return original(self, item, name, value, *args, **kwargs)
+
+    return (SideEffects, "store_attr", store_attr)
+
+
+def grad_stores_through_inplace_results() -> Patch:
+    """``p.grad = None`` after ``p -= lr * p.grad`` (a hand-written SGD update in a loop over
+    the parameters) is replayed.
+
+    ``p -= x`` rebinds ``p`` to the in-place operator's result; torch 2.13 gives that result a
+    variable of its own, without the parameter's source, and a ``.grad`` store on it is
+    recorded there and never replayed (plain ``torch.compile`` too): the gradients stayed after the call and the next
+    backward accumulated onto them (0.13 off DDP after four steps). A ``.grad`` store on such
+    a variable goes to the variable of the graph input holding the same tensor."""
+    from torch._dynamo.variables.builtin import SetAttrBuiltinVariable
+
+    original = SetAttrBuiltinVariable._call_setattr
+
+    def _call_setattr(self: Any, tx: Any, obj: Any, name_var: Any, val: Any) -> Any:
+        if (
+            obj.is_tensor() and getattr(obj, "source", None) is None
+            and name_var.is_python_constant() and name_var.as_python_constant() in ("grad", "_grad")
+        ):
+            obj = _tracked_variable_of_same_tensor(tx, obj) or obj
+        return original(self, tx, obj, name_var, val)
+
+    return (SetAttrBuiltinVariable, "_call_setattr", _call_setattr)
+
+
+def _tracked_variable_of_same_tensor(tx: Any, var: Any) -> Any:
+    """The attribute-tracked variable of a graph input (it has a source) whose fake tensor is
+    ``var``'s."""
+    example = var.as_proxy().node.meta.get("example_value")
+    if example is None:
+        return None
+    for tracked in tx.output.side_effects.id_to_variable.values():
+        if tracked is var or not tracked.is_tensor() or getattr(tracked, "source", None) is None:
+            continue
+        if tracked.as_proxy().node.meta.get("example_value") is example:
+            return tracked
+    return None
+
+
+def fresh_constants_for_tensor_attributes() -> list[Patch]:
+    """``p.grad`` (None) and ``p.requires_grad`` read inside the step get a constant of their
+    own.
+
+    torch 2.13 answers both with its shared None/True/False constants and then sets that
+    shared object's source to ``p.grad``/``p.requires_grad``: every later None or True of
+    the process (in this frame, and in frames compiled after it, ours or not) was then rebuilt
+    from that tensor attribute instead of being a constant. A step that calls ``zero_grad()``
+    before the forward read ``.grad`` of a parameter reached through the optimizer, and the
+    next model compiled in the process set its gradients from
+    ``optim.param_groups[0]['params'][5].grad`` of the first (an IndexError, or a wrong
+    tensor where the index exists)."""
+    from torch._dynamo.variables import constant
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    def fresh(original: Callable[..., Any]) -> Callable[..., Any]:
+        def handler(self: Any, tx: Any) -> Any:
+            result = original(self, tx)
+            if any(result is c for c in _shared_constants(constant)):
+                return constant.ConstantVariable(result.value)
+            return result
+
+        return handler
+
+    return [
+        (TensorVariable, name, fresh(TensorVariable.__dict__[name]))
+        for name in ("method_attr_grad", "method_attr_requires_grad")
+    ]
+
+
+def _shared_constants(constant: Any) -> tuple[Any, ...]:
+    return (constant.CONSTANT_VARIABLE_NONE, constant.CONSTANT_VARIABLE_TRUE,
+            constant.CONSTANT_VARIABLE_FALSE)
+
+
+def unsource_shared_constants() -> None:
+    """Give torch's shared None/True/False constants back their (absent) source, should any
+    other path of the frame have set one (see :func:`fresh_constants_for_tensor_attributes`)."""
+    from torch._dynamo.variables import constant
+
+    for c in _shared_constants(constant):
+        if c.source is not None:
+            log.warning('backend="spmd": torch\'s shared constant %r had the source %s after a '
+                        "frame was compiled; reset", c.value, c.source.name)
+            c.source = None
