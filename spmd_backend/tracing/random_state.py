@@ -229,11 +229,10 @@ def traced_randomness(
 
     def setting_state(original: Any) -> Any:
         def set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            if replay.set_state(state):
-                return original(state, *args, **kwargs)
-            caller = traceback.extract_stack()[-2]
-            if is_user_frame(caller):
-                raise _seeding_refusal("set_rng_state", user_frame([caller]))
+            if not replay.set_state(state):  # a state not taken in the trace: seeding
+                caller = traceback.extract_stack()[-2]
+                if is_user_frame(caller):
+                    raise _seeding_refusal("set_rng_state", user_frame([caller]))
             return original(state, *args, **kwargs)
 
         return set_rng_state
@@ -256,8 +255,7 @@ def traced_randomness(
             for name in getattr(g.module, "__all__", ()):
                 fn = getattr(g.module, name, None)
                 if name not in _STATE_FUNCTIONS and getattr(fn, "__self__", None) is g.instance:
-                    patched.append((g.module, name, fn))
-                    setattr(g.module, name, refusing(g.description, fn))
+                    patch(g.module, name, lambda fn, g=g: refusing(g.description, fn))
         yield
         for g, before in zip(generators, states):
             if not _same_state(g.get(), before):
