@@ -11,6 +11,7 @@ mappings. It never mutates anything.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,9 +276,10 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
     wrappers that step another optimizer of their own (SAM, Lookahead: the compiled step lifts
     only the given optimizer's state and param groups, so the inner one's momentum would not
     carry over between calls: measured 3% off DDP after four SAM steps)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    # an instance exists only if its module was imported; importing it here would cost the
+    # first call 0.6 s of TorchScript compiles (torch.distributed.optim's functional optimizers)
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         raise SpmdUsageError(
             "spmd_backend.compile: ZeroRedundancyOptimizer shards the optimizer state through "
             "collectives of its own, which a compiled step does not capture. Pass the optimizer "
@@ -323,13 +325,17 @@ def _module_and_optimizer(flat: list[Any]) -> tuple[nn.Module, torch.optim.Optim
         kinds = ", ".join(type(m).__name__ for m in modules)
         raise SpmdUsageError(
             f"spmd_backend.compile: the train step received {len(modules)} modules ({kinds}); "
-            "exactly one is supported. Wrap them in one parent nn.Module."
+            "exactly one is supported. Wrap them in one parent nn.Module, or compile the step "
+            'with torch.compile(step, backend="spmd"), which takes any number (a GAN\'s '
+            "generator and discriminator with their own optimizers)."
         )
     if len(optims) > 1:
         kinds = ", ".join(type(o).__name__ for o in optims)
         raise SpmdUsageError(
             f"spmd_backend.compile: the train step received {len(optims)} optimizers ({kinds}); "
-            "at most one is supported. Use one optimizer with several param groups."
+            "at most one is supported. Use one optimizer with several param groups if they step "
+            'together, or compile the step with torch.compile(step, backend="spmd"), which takes '
+            "any number (a GAN's two optimizers stepping after their own backward)."
         )
     if isinstance(modules[0], DistributedDataParallel):
         # its forward drives DDP's reducer, whose hooks sit on the real parameters (the trace
