@@ -232,3 +232,32 @@ def test_lbfgs_is_refused_up_front(fake_pg):
     with pytest.raises(spmd_backend.SpmdUsageError, match="LBFGS cannot be compiled"):
         spmd_backend.compile()(step)(model, opt, torch.randn(4, 8))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adafactor_is_refused_naming_its_code_and_runs_through_dynamo(fake_pg, foreach):
+    """Adafactor's update reads tensor values in Python (``.item()`` of its step count and of
+    parameter norms): the compile door cannot make one graph of it. The refusal names torch's
+    line rather than telling the user to change theirs, and changes nothing; the Dynamo door
+    splits the graph there and matches eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01, foreach=foreach)
+    ref = torch.optim.Adafactor(twin.parameters(), lr=0.01, foreach=foreach)
+    x = torch.randn(6, 8)
+    with pytest.raises(spmd_backend.SpmdTraceError,
+                       match=r"optimizer's step makes a Python decision .* at torch/optim/"
+                             r"_adafactor\.py:\d+ .*torch\.compile\(step, backend=\"spmd\"\) runs it"):
+        spmd_backend.compile()(step)(model, opt, x)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="spmd", options={"inductor": False, "reduce_op": "sum"})
+    for _ in range(3):
+        x = torch.randn(6, 8)
+        compiled(model, opt, x)
+        step(twin, ref, x)
+    expected, actual = _state(twin, ref), _state(model, opt)
+    for k in expected:
+        torch.testing.assert_close(actual[k], expected[k], msg=k)

@@ -26,6 +26,7 @@ _LIBRARY_DIRS = (
     os.path.dirname(torch.__file__),
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 )
+_TORCH_OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
 
 
 def is_user_frame(frame: traceback.FrameSummary) -> bool:
@@ -79,6 +80,17 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             f"list(ema.parameters())) or register it as a buffer{at}. ({msg[:300]})"
         )
     if type(e).__name__ in _DATA_DEPENDENT or "data-dependent" in msg:
+        in_optim = [f for f in _frames(e) if f.filename.startswith(_TORCH_OPTIM_DIR)]
+        if in_optim:
+            # the user cannot change torch's optimizer code: say whose decision it is
+            return SpmdTraceError(
+                "the optimizer's step makes a Python decision on a tensor's value at "
+                f"torch/optim/{_describe(in_optim[-1])[len(_TORCH_OPTIM_DIR):]}{at}, which one "
+                "compiled graph cannot replay for other values: spmd_backend.compile cannot "
+                'trace this optimizer. torch.compile(step, backend="spmd") runs it (Dynamo '
+                "splits the step where the optimizer reads the value). "
+                f"({type(e).__name__}: {msg.splitlines()[0][:200]})"
+            )
         return SpmdTraceError(
             "the train step makes a Python decision on a tensor's value (.item(), bool(tensor), "
             f"a data-dependent shape){at}, which one compiled graph cannot replay for other "
