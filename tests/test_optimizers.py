@@ -261,3 +261,26 @@ def test_adafactor_is_refused_naming_its_code_and_runs_through_dynamo(fake_pg, f
     expected, actual = _state(twin, ref), _state(model, opt)
     for k in expected:
         torch.testing.assert_close(actual[k], expected[k], msg=k)
+
+
+def test_converting_the_model_after_some_steps_matches_eager(fake_pg):
+    """``model.double()`` after the first steps converts the parameters but not the momentum
+    buffers. Eager SGD promotes; the fused SGD the compile door picks by default takes one
+    dtype and failed at run time before 2026-11-26. Such a group is traced single-tensor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    compiled = spmd_backend.compile()(step)
+    for i in range(4):
+        if i == 2:
+            model.double()
+            twin.double()
+        x = torch.randn(6, 8, dtype=twin[0].weight.dtype)
+        compiled(model, opt, x)
+        step(twin, ref, x)
+    expected, actual = _state(twin, ref), _state(model, opt)
+    assert {v.dtype for k, v in actual.items() if k.startswith("state")} == {torch.float32}
+    for k in expected:
+        torch.testing.assert_close(actual[k], expected[k], msg=k)

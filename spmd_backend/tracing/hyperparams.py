@@ -136,7 +136,7 @@ def _can_default_to_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any
         return False
     if group.get("differentiable"):
         return False
-    if _momentum_half_started(optimizer, group):
+    if _momentum_half_started(optimizer, group) or _state_dtype_differs(optimizer, group):
         return False
     supported = _fused_supported_devices()
     return all(
@@ -156,6 +156,19 @@ def _momentum_half_started(optimizer: torch.optim.Optimizer, group: dict[str, An
         for p in group["params"] if p.requires_grad
     }
     return len(started) > 1
+
+
+def _state_dtype_differs(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """True where a parameter's state tensor (momentum buffer, ``exp_avg``, ...) has another
+    dtype than the parameter: ``model.double()`` or ``.half()`` after some steps converts the
+    parameters, not the optimizer state. torch's fused kernels take one dtype for a parameter
+    and its state and failed on the mix; the single-tensor loop promotes, as eager does."""
+    for p in group["params"]:
+        for name, value in optimizer.state.get(p, {}).items():
+            if (name != "step" and isinstance(value, torch.Tensor) and value.shape == p.shape
+                    and value.dtype != p.dtype):
+                return True
+    return False
 
 
 def traced_implementation(
