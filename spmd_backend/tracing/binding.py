@@ -103,7 +103,7 @@ class StepBinding:
         flat = [leaf for _, leaf in with_paths]
         paths = [tree_key_path(path) for path, _ in with_paths]
         args, kwargs = pytree.tree_unflatten(flat, spec)
-        module, optimizer = _module_and_optimizer(flat)
+        module, optimizer = _module_and_optimizer(flat, fn)
         unfused_groups = (unfused or {}).get(id(optimizer), frozenset())
         # one walk of the module tree serves parameters, buffers and the key's module state
         # (named_parameters/named_buffers would walk it again each)
@@ -307,7 +307,20 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _module_and_optimizer(flat: list[Any]) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+def _held_by_instance(fn: Any) -> list[str]:
+    """``Trainer.model``, ``Trainer.opt``: the modules and optimizers a bound method's instance
+    holds as attributes (what a trainer-style ``trainer.step(batch)`` reads through ``self``)."""
+    owner = getattr(fn, "__self__", None)
+    if owner is None or isinstance(owner, nn.Module):
+        return []
+    held = vars(owner) if hasattr(owner, "__dict__") else {}
+    return [f"{type(owner).__name__}.{name}" for name, value in held.items()
+            if isinstance(value, (nn.Module, torch.optim.Optimizer))]
+
+
+def _module_and_optimizer(
+    flat: list[Any], fn: Any = None
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """The one module and at most one optimizer among the call's leaves (else a usage error)."""
     modules: list[nn.Module] = []
     optims: list[torch.optim.Optimizer] = []
@@ -317,6 +330,15 @@ def _module_and_optimizer(flat: list[Any]) -> tuple[nn.Module, torch.optim.Optim
         elif isinstance(leaf, torch.optim.Optimizer) and not any(leaf is o for o in optims):
             optims.append(leaf)
     if not modules:
+        held = _held_by_instance(fn)
+        if held:
+            raise SpmdUsageError(
+                f"spmd_backend.compile: the train step is a method that reads {', '.join(held)} "
+                "through self; spmd_backend.compile takes the module and the optimizer as "
+                "arguments (a step defined as train_step(model, optim, batch), called as "
+                "train_step(self.model, self.opt, batch)), or compile the method with "
+                'torch.compile(trainer.step, backend="spmd"), which reads them through self'
+            )
         raise SpmdUsageError(
             "spmd_backend.compile: the train step received no torch.nn.Module; pass the "
             "model as an argument, e.g. train_step(model, optim, batch)"
