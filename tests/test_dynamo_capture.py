@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent(
     from torch._dynamo.variables.optimizer import OptimizerVariable
     from torch._dynamo.variables.tensor import TensorVariable
     from torch._dynamo.side_effects import SideEffects
+    from torch._dynamo.guards import GuardBuilder
 
     def step(model, opt, x):
         loss = model(x).pow(2).mean()
@@ -61,6 +62,7 @@ SCRIPT = textwrap.dedent(
                 id(TensorVariable.method_attr_requires_grad),
                 id(OutputGraph._validate_outputs_safe_for_autograd_nodes),
                 id(SetAttrBuiltinVariable._call_setattr),
+                id(GuardBuilder.EMPTY_NN_MODULE_HOOKS_DICT),
                 torch._dynamo.config.trace_autograd_ops]
 
     stock_before, methods_before = run("eager"), methods()
@@ -181,5 +183,52 @@ def test_data_update_with_gradient_zeroing_is_refused_before_it_runs(fake_pg):
         x = torch.randn(4, 8)
         door(model, x)
         data_update_step(twin, x)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "full_backward"])
+def test_a_module_hook_added_after_compiling_runs(fake_pg, kind):
+    """torch 2.13's Dynamo does not guard a module's empty hook dicts by default
+    (``skip_nnmodule_hook_guards``): a hook registered after the first calls was never run by the
+    cached graph (1.9e-2 off DDP after one step). Through backend="spmd" it recompiles, and
+    recompiles again when the hook is removed. A full backward hook makes Dynamo run the module
+    outside its graphs: the gradient audit raises instead of training unsynchronized."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+
+    def step(model, opt, x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    def register(module):
+        if kind == "forward":
+            return module[0].register_forward_hook(lambda m, i, o: o * 2)
+        if kind == "forward_pre":
+            return module[2].register_forward_pre_hook(lambda m, a: (a[0] * 0.5,))
+        return module[2].register_full_backward_hook(lambda m, gi, go: (gi[0] * 3,))
+
+    compiled = torch.compile(step, backend="spmd", options={"inductor": False, "reduce_op": "sum"})
+    handles = []
+    for i in range(5):
+        if i == 2:
+            handles = [register(model), register(twin)]
+            if kind == "full_backward":
+                with pytest.raises(SpmdUsageError, match=r"gradient of parameter '2\.\w+' was "
+                                                         r"computed outside"):
+                    compiled(model, opt, torch.randn(4, 8))
+                return
+        if i == 4:
+            for h in handles:
+                h.remove()
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, ref, x), msg=f"call {i}")
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)

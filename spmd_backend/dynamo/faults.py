@@ -22,7 +22,29 @@ Patch = tuple[Any, str, Any]
 def fault_patches() -> list[Patch]:
     """The patches for every fault below."""
     return [params_stay_graph_inputs(), optimizer_attribute_stores(),
-            grad_stores_through_inplace_results(), *fresh_constants_for_tensor_attributes()]
+            grad_stores_through_inplace_results(), hooks_added_later_recompile(),
+            *fresh_constants_for_tensor_attributes()]
+
+
+def hooks_added_later_recompile() -> Patch:
+    """A forward (pre-)hook registered on a module after the step was compiled takes effect.
+
+    With ``torch._dynamo.config.skip_nnmodule_hook_guards`` (True by default in torch 2.13)
+    Dynamo does not check that a module's hook dict it found empty is still empty, so a hook
+    added later (a feature-scaling hook, a pruning mask's pre-hook) was silently never run by
+    the cached graph: 1.9e-2 off DDP after one step. A module's empty hook dicts are guarded on
+    their length here, as a non-empty one always is: adding a hook recompiles. The guard
+    function is captured when Dynamo records the guard, inside the scope, so it applies to the
+    frames of this backend only."""
+    from torch._dynamo.guards import GuardBuilder
+
+    def guard_empty_hooks(self: Any, guard: Any) -> None:
+        self.SEQUENCE_LENGTH(guard)
+
+    original = GuardBuilder.__dict__["EMPTY_NN_MODULE_HOOKS_DICT"]
+    guard_empty_hooks.__name__ = original.__name__
+    guard_empty_hooks.guard_check_spec = getattr(original, "guard_check_spec", None)
+    return GuardBuilder, "EMPTY_NN_MODULE_HOOKS_DICT", guard_empty_hooks
 
 
 def params_stay_graph_inputs() -> Patch:
