@@ -128,11 +128,11 @@ def retraces(caplog):
     return [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
 
 
-def run_against_eager(fn, change, calls=4, change_at=2, compiled_fn=None, model=None):
+def run_against_eager(fn, change, calls=4, change_at=2, compiled_fn=None, model=None, twin=None):
     """Run ``fn`` compiled and eagerly on twin models; ``change()`` before call ``change_at``."""
     torch.manual_seed(0)
     model = model or nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    twin = copy.deepcopy(model)
+    twin = twin or copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     compiled = spmd_backend.compile()(compiled_fn or fn)
@@ -296,3 +296,55 @@ def test_what_free_values_reads():
     assert [label for label, _ in free_values(partial)] == [
         "global 'LOSS_SCALE' (read by global_step)"
     ]
+
+
+class ScaleHook:
+    """A forward hook object of the user's: torch calls it, the step never names it."""
+
+    scale = 1.0
+
+    def __call__(self, module, inputs, output):
+        return output * self.scale
+
+
+@pytest.mark.parametrize("form", ["object", "closure", "pre_hook", "gradient_hook"])
+def test_a_value_read_by_a_hook_retraces_and_is_named(fake_pg, caplog, form):
+    """Hooks run by torch while the step is traced (a module's forward and pre-hooks, a
+    parameter's gradient hook) bake in what they read; before 2026-11-26 a scale changed on a
+    hook object or in a hook's closure was ignored by the replays (3.4e-2 off DDP)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    hooks = []
+
+    def install(module):
+        hook = ScaleHook()
+        hooks.append(hook)
+        if form == "object":
+            module[0].register_forward_hook(hook)
+        elif form == "closure":
+            module[0].register_forward_hook(lambda m, i, o: o * hook.scale)
+        elif form == "pre_hook":
+            module[2].register_forward_pre_hook(lambda m, a: (a[0] * hook.scale,))
+        else:
+            module[0].weight.register_hook(lambda g: g * hook.scale)
+
+    def change():
+        for hook in hooks:
+            hook.scale = 3.0
+
+    twin = copy.deepcopy(model)
+    install(model)
+    install(twin)
+
+    def step(model, opt, x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        run_against_eager(step, change, model=model, twin=twin)
+    where = {"object": "forward hook of 0", "closure": "forward hook of 0",
+             "pre_hook": "forward pre hook of 2", "gradient_hook": "gradient hook of parameter 0.weight"}
+    assert len(retraces(caplog)) == 1 and where[form] in retraces(caplog)[0], retraces(caplog)

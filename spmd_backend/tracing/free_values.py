@@ -12,7 +12,9 @@ included), looked up in its globals and closure cells; objects reached that way 
 into their own ``vars()`` entries whose names the code also mentions (``cfg.clip``: both names
 appear), classes and Python modules likewise, up to :data:`MAX_DEPTH` attributes deep; Python
 functions of the user's code (not torch's, not the standard library's, not installed
-packages') that the step calls are read the same way, as are a bound method's ``self``. The methods
+packages') that the step calls are read the same way, as are a bound method's ``self``, and
+the hooks torch runs while the step is traced (module, global module and parameter gradient
+hooks: a hook object's ``self.scale``, a hook lambda's closure). The methods
 of the user's own module classes (a ``forward`` that reads a module-level flag) are read too;
 a module other than the one the step is bound to (a global
 ``criterion = nn.CrossEntropyLoss(...)``) contributes its modes and plain attributes.
@@ -113,9 +115,10 @@ class _Walk:
         self.generators: list[tuple[str, Any]] = []
 
     def function(self, fn: Callable[..., Any], label: str, self_label: str | None = None,
-                 depth: int = 0) -> None:
+                 depth: int = 0, role: str | None = None) -> None:
         """Read ``fn``'s globals and closure; a bound method's ``self`` is read like a global
-        (labelled ``self_label``, by default ``<label>.__self__``)."""
+        (labelled ``self_label``, by default ``<label>.__self__``). ``role`` (a hook's "forward
+        hook of layer1") goes before the function's name in the labels."""
         if isinstance(fn, types.MethodType):
             code = getattr(fn.__func__, "__code__", None)
             if isinstance(code, types.CodeType) and _is_user_file(code.co_filename):
@@ -127,7 +130,7 @@ class _Walk:
                 self.value(f"{label} (partial argument {i})", a, frozenset(), MAX_DEPTH)
             for k, a in fn.keywords.items():
                 self.value(f"{label} (partial argument {k})", a, frozenset(), MAX_DEPTH)
-            self.function(fn.func, label)
+            self.function(fn.func, label, role=role)
             return
         code = getattr(fn, "__code__", None)
         if not isinstance(fn, types.FunctionType) or not isinstance(code, types.CodeType):
@@ -136,7 +139,7 @@ class _Walk:
             return
         self.seen.add(id(fn))
         names = _code_names(code)
-        where = fn.__qualname__
+        where = f"{role} ({fn.__qualname__})" if role else fn.__qualname__
         glob = fn.__globals__
         for name in sorted(names):
             if name in glob:
@@ -226,11 +229,45 @@ def _user_methods(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[types.Fu
                 yield attr
 
 
+#: a module's hook dicts (the ``_with_kwargs`` entries are flags, not hooks)
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+#: a parameter's hook dicts
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, Any]]:
+    """``(label, hook)`` of every hook the trace runs for ``modules``: their module hooks, the
+    global module hooks, and their parameters' gradient hooks."""
+    from torch.nn.modules import module as module_mod
+
+    for attr in _MODULE_HOOKS:
+        for hook in getattr(module_mod, f"_global{attr}", {}).values():
+            yield f"global {attr.strip('_').replace('_', ' ')[:-1]}", hook
+    for name, mod in modules:
+        where = name or "<root>"
+        for attr in _MODULE_HOOKS:
+            for hook in (getattr(mod, attr, None) or {}).values():
+                yield f"{attr.strip('_').replace('_', ' ')[:-1]} of {where}", hook
+        for pname, p in mod._parameters.items():
+            for attr in _TENSOR_HOOKS:
+                for hook in (getattr(p, attr, None) or {}).values():
+                    yield f"gradient hook of parameter {name + '.' if name else ''}{pname}", hook
+
+
 def _walk(fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]]) -> _Walk:
     walk = _Walk({id(m) for _, m in modules})
     walk.function(fn, getattr(fn, "__qualname__", "the step"))
     for method in _user_methods(modules):
         walk.function(method, method.__qualname__)
+    for label, hook in _hooks(modules):
+        # torch runs hooks, not the step's code: their values (a scale on a hook object, a
+        # closure variable of a lambda) are read as the step's own
+        if isinstance(hook, (types.FunctionType, types.MethodType, functools.partial)):
+            walk.function(hook, label, role=label)
+        elif _is_user_class(type(hook)):
+            call = _class_attribute(type(hook), "__call__")
+            if isinstance(call, types.FunctionType):
+                walk.function(types.MethodType(call, hook), label, label, role=label)
     return walk
 
 
