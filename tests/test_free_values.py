@@ -335,16 +335,8 @@ def test_a_value_read_by_a_hook_retraces_and_is_named(fake_pg, caplog, form):
     twin = copy.deepcopy(model)
     install(model)
     install(twin)
-
-    def step(model, opt, x):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
-        run_against_eager(step, change, model=model, twin=twin)
+        run_against_eager(global_step, change, model=model, twin=twin)
     where = {"object": "forward hook of 0", "closure": "forward hook of 0",
              "pre_hook": "forward pre hook of 2", "gradient_hook": "gradient hook of parameter 0.weight"}
     assert len(retraces(caplog)) == 1 and where[form] in retraces(caplog)[0], retraces(caplog)
