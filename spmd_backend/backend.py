@@ -227,8 +227,7 @@ def spmd_dynamo_backend(
     compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=whole_step)
     if whole_step and marked:
         compiled = _marking_reduced(compiled, [inputs.params[i] for i in dict.fromkeys(marked)])
-    if hooked:
-        compiled = _refusing_gradient_hooks(compiled, hooked, inputs.fqns)
+    compiled = _checked_before_each_call(compiled, hooked, inputs.fqns)
     release_freed_heap()  # what tracing and compiling freed, back to the OS
     return compiled
 
@@ -244,13 +243,29 @@ def _marking_reduced(compiled: Any, params: list[torch.Tensor]) -> Any:
 
     return run
 
-def _refusing_gradient_hooks(
+def _checked_before_each_call(
     compiled: Any, params: dict[int, torch.Tensor], fqns: dict[int, str]
 ) -> Any:
     """``compiled``, raising before it runs when a parameter got a gradient hook since it was
-    compiled (Dynamo does not guard on tensor hooks)."""
+    compiled, and warning once when global module hooks changed (Dynamo guards neither)."""
+    at_compile = audit.global_module_hooks()
+    warned = [False]
+
     def run(*args: Any) -> Any:
-        audit.refuse_gradient_hooks(params, fqns)
+        if params:
+            audit.refuse_gradient_hooks(params, fqns)
+        if not warned[0]:
+            changed = audit.changed_global_hooks(at_compile)
+            if changed:
+                warned[0] = True
+                log.warning(
+                    'backend="spmd": global module hooks (%s) were registered or removed after '
+                    "this step was compiled; Dynamo does not guard them, so the compiled graph "
+                    "keeps running the hooks it was compiled with. A profiler's or tracker's "
+                    "hooks change nothing; if a hook changes what the model computes, call "
+                    "torch._dynamo.reset() after registering or removing it",
+                    ", ".join(changed),
+                )
         return compiled(*args)
 
     return run

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ import torch.nn as nn
 
 import spmd_backend
 from spmd_backend import SpmdUsageError
+from spmd_backend.testing.steps import train_step
 
 SCRIPT = textwrap.dedent(
     """
@@ -201,13 +203,6 @@ def test_a_module_hook_added_after_compiling_runs(fake_pg, kind):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
 
-    def step(model, opt, x):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
     def register(module):
         if kind == "forward":
             return module[0].register_forward_hook(lambda m, i, o: o * 2)
@@ -215,7 +210,7 @@ def test_a_module_hook_added_after_compiling_runs(fake_pg, kind):
             return module[2].register_forward_pre_hook(lambda m, a: (a[0] * 0.5,))
         return module[2].register_full_backward_hook(lambda m, gi, go: (gi[0] * 3,))
 
-    compiled = torch.compile(step, backend="spmd", options={"inductor": False, "reduce_op": "sum"})
+    compiled = torch.compile(train_step, backend="spmd", options={"inductor": False, "reduce_op": "sum"})
     handles = []
     for i in range(5):
         if i == 2:
@@ -229,6 +224,28 @@ def test_a_module_hook_added_after_compiling_runs(fake_pg, kind):
             for h in handles:
                 h.remove()
         x = torch.randn(4, 8)
-        torch.testing.assert_close(compiled(model, opt, x), step(twin, ref, x), msg=f"call {i}")
+        torch.testing.assert_close(compiled(model, opt, x), train_step(twin, ref, x), msg=f"call {i}")
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_a_global_module_hook_registered_after_compiling_is_reported(fake_pg, caplog):
+    """Dynamo does not guard global module hooks, so a graph keeps running the ones it was
+    compiled with. The backend cannot recompile from a call; it says so once, naming the kind."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    compiled = torch.compile(train_step, backend="spmd", options={"inductor": False, "reduce_op": "sum"})
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        compiled(model, opt, torch.randn(4, 8))
+        assert not [r for r in caplog.records if "global module hooks" in r.getMessage()]
+        handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+        try:
+            for _ in range(2):
+                compiled(model, opt, torch.randn(4, 8))
+        finally:
+            handle.remove()
+    warnings = [r.getMessage() for r in caplog.records if "global module hooks" in r.getMessage()]
+    assert len(warnings) == 1 and "(global forward hook) were registered or removed" in warnings[0]

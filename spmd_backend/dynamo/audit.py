@@ -113,3 +113,23 @@ def refuse_gradient_hooks(params: dict[int, torch.Tensor], fqns: dict[int, str])
                 "run it where DDP does (on this rank's gradient, before the all-reduce). Use "
                 "spmd_backend.compile, which runs parameter hooks as DDP does, or remove the hook"
             )
+
+
+#: the global module hook dicts (``torch.nn.modules.module.register_module_forward_hook``, ...)
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                 "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def global_module_hooks() -> tuple[tuple[int, ...], ...]:
+    """The handles of the global module hooks registered now (compared before each call)."""
+    from torch.nn.modules import module as module_mod
+
+    return tuple(tuple(getattr(module_mod, name, {})) for name in _GLOBAL_HOOKS)
+
+
+def changed_global_hooks(at_compile: tuple[tuple[int, ...], ...]) -> list[str]:
+    """The global module hook kinds registered or removed since ``at_compile``. Dynamo does not
+    guard them: a graph keeps running the global hooks it was compiled with."""
+    now = global_module_hooks()
+    return [name.strip("_").replace("_", " ")[:-1]
+            for name, old, new in zip(_GLOBAL_HOOKS, at_compile, now) if old != new]
