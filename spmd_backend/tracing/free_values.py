@@ -231,27 +231,36 @@ def _user_methods(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[types.Fu
 
 #: a module's hook dicts (the ``_with_kwargs`` entries are flags, not hooks)
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-#: a parameter's hook dicts
-_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
-def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, Any]]:
+def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, Any]]:
     """``(label, hook)`` of every hook the trace runs for ``modules``: their module hooks, the
-    global module hooks, and their parameters' gradient hooks."""
+    global module hooks, and their parameters' gradient hooks. Runs on every call: empty hook
+    dicts (almost all of them) cost one lookup each."""
     from torch.nn.modules import module as module_mod
 
+    def kind(attr: str) -> str:
+        return attr.strip("_").replace("_", " ")[:-1]
+
+    found: list[tuple[str, Any]] = []
     for attr in _MODULE_HOOKS:
-        for hook in getattr(module_mod, f"_global{attr}", {}).values():
-            yield f"global {attr.strip('_').replace('_', ' ')[:-1]}", hook
+        hooks = getattr(module_mod, f"_global{attr}", None)
+        if hooks:
+            found.extend((f"global {kind(attr)}", h) for h in hooks.values())
     for name, mod in modules:
-        where = name or "<root>"
+        state = mod.__dict__
         for attr in _MODULE_HOOKS:
-            for hook in (getattr(mod, attr, None) or {}).values():
-                yield f"{attr.strip('_').replace('_', ' ')[:-1]} of {where}", hook
-        for pname, p in mod._parameters.items():
-            for attr in _TENSOR_HOOKS:
-                for hook in (getattr(p, attr, None) or {}).values():
-                    yield f"gradient hook of parameter {name + '.' if name else ''}{pname}", hook
+            hooks = state.get(attr)
+            if hooks:
+                found.extend((f"{kind(attr)} of {name or '<root>'}", h) for h in hooks.values())
+        for pname, p in state["_parameters"].items():
+            if p is None:
+                continue
+            for hooks in (p._backward_hooks, p._post_accumulate_grad_hooks):
+                if hooks:
+                    label = f"gradient hook of parameter {name + '.' if name else ''}{pname}"
+                    found.extend((label, h) for h in hooks.values())
+    return found
 
 
 def _walk(fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]]) -> _Walk:
