@@ -44,6 +44,7 @@ from spmd_backend.memory import release_freed_heap
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.runtime import GuardedStep
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
+from spmd_backend.tracing.key import global_module_hooks
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ def _checked_before_each_call(
 ) -> Any:
     """``compiled``, raising before it runs when a parameter got a gradient hook since it was
     compiled, and warning once when global module hooks changed (Dynamo guards neither)."""
-    at_compile = audit.global_module_hooks()
+    at_compile = global_module_hooks()
     warned = [False]
 
     def run(*args: Any) -> Any:

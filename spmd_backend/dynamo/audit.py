@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from spmd_backend.errors import SpmdUsageError
+from spmd_backend.tracing.key import GLOBAL_MODULE_HOOKS, global_module_hooks
 
 
 class _Audit:
@@ -115,21 +116,10 @@ def refuse_gradient_hooks(params: dict[int, torch.Tensor], fqns: dict[int, str])
             )
 
 
-#: the global module hook dicts (``torch.nn.modules.module.register_module_forward_hook``, ...)
-_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
-                 "_global_backward_pre_hooks", "_global_backward_hooks")
-
-
-def global_module_hooks() -> tuple[tuple[int, ...], ...]:
-    """The handles of the global module hooks registered now (compared before each call)."""
-    from torch.nn.modules import module as module_mod
-
-    return tuple(tuple(getattr(module_mod, name, {})) for name in _GLOBAL_HOOKS)
-
-
 def changed_global_hooks(at_compile: tuple[tuple[int, ...], ...]) -> list[str]:
-    """The global module hook kinds registered or removed since ``at_compile``. Dynamo does not
-    guard them: a graph keeps running the global hooks it was compiled with."""
+    """The global module hook kinds registered or removed since ``at_compile`` (a
+    :func:`~spmd_backend.tracing.key.global_module_hooks` snapshot). Dynamo does not guard
+    them: a graph keeps running the global hooks it was compiled with."""
     now = global_module_hooks()
     return [name.strip("_").replace("_", " ")[:-1]
-            for name, old, new in zip(_GLOBAL_HOOKS, at_compile, now) if old != new]
+            for name, old, new in zip(GLOBAL_MODULE_HOOKS, at_compile, now) if old != new]

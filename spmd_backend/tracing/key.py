@@ -170,7 +170,6 @@ def module_state(modules: Sequence[tuple[str, nn.Module]]) -> tuple:
     """Per module of ``modules`` (``named_modules()`` of the root): (fqn, plain attributes
     including ``training``, hook ids); then the plain attributes of the objects modules hold
     (a config), each once; then the global hooks."""
-    from torch.nn.modules import module as module_mod
 
     rows = []
     objects: dict[int, tuple[str, Any]] = {}
@@ -185,12 +184,19 @@ def module_state(modules: Sequence[tuple[str, nn.Module]]) -> tuple:
             if _is_attribute_object(value):
                 objects[id(value)] = (f"{name}.{attr}" if name else attr, value)
     held = tuple((label, plain_attributes(obj)) for label, obj in objects.values())
-    global_hooks = tuple(
-        tuple(getattr(module_mod, n, ()))
-        for n in ("_global_forward_pre_hooks", "_global_forward_hooks",
-                  "_global_backward_pre_hooks", "_global_backward_hooks")
-    )
-    return (tuple(rows), held, global_hooks)
+    return (tuple(rows), held, global_module_hooks())
+
+
+#: torch.nn.modules.module's global hook dicts (``register_module_forward_hook``, ...)
+GLOBAL_MODULE_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                       "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def global_module_hooks() -> tuple[tuple[int, ...], ...]:
+    """The handles of the global module hooks registered now, per kind."""
+    from torch.nn.modules import module as module_mod
+
+    return tuple(tuple(getattr(module_mod, n, ())) for n in GLOBAL_MODULE_HOOKS)
 
 
 def optimizer_state_hooks(opt: torch.optim.Optimizer) -> tuple:
