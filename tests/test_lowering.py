@@ -59,6 +59,45 @@ def test_fused_decomposition_matches_the_kernel(fake_pg, cls, kw):
             torch.testing.assert_close(v, ref_opt.state[q][k])
 
 
+def amp_step_fn(model, optim, batch, scaler):
+    optim.zero_grad()  # first, so that the gradients the kernel writes back stay visible
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(batch).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optim)
+    scaler.update()
+    return loss
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMS, ids=lambda x: getattr(x, "__name__", "") or str(x))
+def test_fused_decomposition_with_a_grad_scaler_matches_the_kernel(fake_pg, cls, kw):
+    """A GradScaler hands the fused kernel grad_scale and found_inf: the decomposition divides
+    the gradients (and writes them back, as the kernel does) and changes nothing on a step with
+    an inf gradient (steps 1 and 3 here; a skipped first step is the bootstrap graph's, which
+    is not lowered)."""
+    torch.manual_seed(0)
+    model = MLP(8, 16, 3, 4)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    step = spmd_backend.compile(gm_transformation=decomposed)(amp_step_fn)
+    for i in range(5):
+        batch = torch.randn(4, 8)
+        if i in (1, 3):
+            batch[1, 2] = float("inf")
+        step(model, opt, batch, scaler)
+        amp_step_fn(ref, ref_opt, batch, ref_scaler)
+        assert scaler.get_scale() == ref_scaler.get_scale()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+            torch.testing.assert_close(p.grad, q.grad, equal_nan=True)
+    assert ref_scaler.get_scale() != 2.0**10  # the skipped steps backed the scale off
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for k, v in opt.state[p].items():
+            torch.testing.assert_close(v, ref_opt.state[q][k])
+
+
 def _materialized(graph):
     return [n for n in graph.nodes if n.target is torch.ops.spmd_backend.materialize.default]
 
@@ -171,6 +210,32 @@ def test_transformation_with_passes_and_inductor(fake_pg):
     assert "03.commit_writes_late.after.main.graph" in files
     # the compiled graph still holds the bucketed collective (Inductor keeps it in order)
     assert any(ops.is_all_reduce(n) for n in igm._gm("main").graph.nodes)
+
+
+def test_amp_step_with_a_fused_optimizer_is_lowered(fake_pg):
+    """A GradScaler with a fused optimizer: the step graph compiles with Inductor (before
+    2026-11-26 the kernel's in-place AMP form made Inductor's re-trace fail, and every such
+    step ran as the fx graph) and skips the step with the inf gradient like eager."""
+    torch.manual_seed(0)
+    model = MLP(16, 32, 3, 8)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    step = spmd_backend.compile(gm_transformation=GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=True, background_compile=False))(amp_step_fn)
+    for i in range(5):
+        batch = torch.randn(8, 16)
+        if i == 3:
+            batch[0, 0] = float("inf")
+        step(model, opt, batch, scaler)
+        amp_step_fn(ref, ref_opt, batch, ref_scaler)
+    assert isinstance(step.compiled._gm("main"), InductorModule)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    assert {int(s["step"]) for s in opt.state.values()} == {4}
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
 
 
 def test_flat_output_copy_shares_constants_instead_of_copying_them():

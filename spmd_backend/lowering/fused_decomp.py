@@ -9,8 +9,13 @@ fused Inductor loop per parameter that reads and writes the state in place.
 values, AOTAutograd re-traces the graph anyway). Both forms are handled: a functional node's
 results are rewired, an in-place node becomes the math plus ``copy_`` into its mutated lists.
 Bias corrections are computed in float64 from the step tensors and rounded to the parameter
-dtype, as the eager kernels do with their double scalars. Nodes using ``grad_scale`` or
-``found_inf`` (AMP) are left as they are.
+dtype, as the eager kernels do with their double scalars. AMP's arguments (a ``GradScaler``
+hands a fused optimizer ``grad_scale`` and ``found_inf``) are computed as the kernels do: the
+gradient is divided by ``grad_scale`` and the unscaled gradient is written back, and when
+``found_inf`` is 1 nothing changes (every written tensor keeps its old value; the step counters
+are decremented by the optimizer's own ops, outside the kernel). Before 2026-11-26 such nodes
+were left to the kernel, whose in-place form Inductor could not re-trace: every AMP step with a
+fused optimizer ran as the fx graph.
 """
 
 from __future__ import annotations
@@ -140,6 +145,26 @@ def _sgd_one(
     return e(aten.sub.Tensor, p, step), buf
 
 
+class _AmpScaling:
+    """AMP's ``grad_scale`` and ``found_inf`` of one fused optimizer node, as its kernel
+    applies them (either may be absent: then it changes nothing)."""
+
+    def __init__(self, e: _Emitter, grad_scale: Any, found_inf: Any) -> None:
+        self.e = e
+        self.grad_scale = grad_scale
+        self.scaled = grad_scale is not None
+        # the kernels skip the whole update when found_inf == 1 (GradScaler writes 0 or 1)
+        self.skip = e(aten.eq.Scalar, found_inf, 1.0) if found_inf is not None else None
+
+    def unscale(self, g: fx.Node) -> fx.Node:
+        return g if self.grad_scale is None else self.e(aten.div.Tensor, g, self.grad_scale)
+
+    def keep_if_inf(self, new: fx.Node | None, old: fx.Node | None) -> fx.Node | None:
+        if self.skip is None or new is None or old is None or new is old:
+            return new
+        return self.e(aten.where.self, self.skip, old, new)
+
+
 def _lists(node: fx.Node, n: int) -> list[list[fx.Node]]:
     return [list(node.args[k]) for k in range(n)]
 
@@ -173,10 +198,9 @@ def decompose_fused_optimizers(gm: fx.GraphModule) -> int:
         if target not in _ADAM and target not in _SGD:
             continue
         kw = dict(node.kwargs)
-        if kw.get("grad_scale") is not None or kw.get("found_inf") is not None:
-            continue
         e = _Emitter(graph)
         with graph.inserting_before(node):
+            amp = _AmpScaling(e, kw.get("grad_scale"), kw.get("found_inf"))
             if target in _ADAM:
                 adamw, inplace = _ADAM[target]
                 params, grads, ms, vs, vmaxes, steps = (list(a) for a in node.args[:6])
@@ -187,19 +211,20 @@ def decompose_fused_optimizers(gm: fx.GraphModule) -> int:
                 for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs)):
                     dtype = p.meta["val"].dtype if "val" in p.meta else torch.float32
                     vmax = vmaxes[i] if kw["amsgrad"] and vmaxes else None
+                    ug = amp.unscale(g)
                     np_, nm, nv, nvmax = _adam_one(
-                        e, p, g, m, v, vmax,
+                        e, p, ug, m, v, vmax,
                         e(aten.select.int, step_sizes, 0, i), e(aten.select.int, bc2_sqrts, 0, i),
                         lr=kw["lr"], beta1=kw["beta1"],
                         beta2=kw["beta2"], weight_decay=kw["weight_decay"], eps=kw["eps"],
                         maximize=kw["maximize"], adamw=adamw, dtype=dtype,
                     )
-                    new[0].append(np_)
-                    new[1].append(None)
-                    new[2].append(nm)
-                    new[3].append(nv)
+                    new[0].append(amp.keep_if_inf(np_, p))
+                    new[1].append(amp.keep_if_inf(ug, g) if amp.scaled else None)
+                    new[2].append(amp.keep_if_inf(nm, m))
+                    new[3].append(amp.keep_if_inf(nv, v))
                     if vmaxes:
-                        new[4].append(nvmax)
+                        new[4].append(amp.keep_if_inf(nvmax, vmaxes[i]))
                 _rewire(graph, node, new, inplace)
             else:
                 inplace = _SGD[target]
@@ -207,16 +232,17 @@ def decompose_fused_optimizers(gm: fx.GraphModule) -> int:
                 new = [[], [], []]
                 for i, (p, g) in enumerate(zip(params, grads)):
                     buf = bufs[i] if bufs else None
+                    ug = amp.unscale(g)
                     np_, nb = _sgd_one(
-                        e, p, g, buf, lr=kw["lr"], momentum=kw["momentum"],
+                        e, p, ug, buf, lr=kw["lr"], momentum=kw["momentum"],
                         dampening=kw["dampening"], nesterov=kw["nesterov"],
                         weight_decay=kw["weight_decay"], maximize=kw["maximize"],
                         first=kw["is_first_step"],
                     )
-                    new[0].append(np_)
-                    new[1].append(None)
+                    new[0].append(amp.keep_if_inf(np_, p))
+                    new[1].append(amp.keep_if_inf(ug, g) if amp.scaled else None)
                     if bufs:
-                        new[2].append(nb)
+                        new[2].append(amp.keep_if_inf(nb, buf))
                 _rewire(graph, node, new, inplace)
         graph.erase_node(node)
         count += 1
