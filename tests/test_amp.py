@@ -27,6 +27,7 @@ def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
 
     import spmd_backend
     from spmd_backend.testing.models import MLP
+    from spmd_backend.testing.steps import amp_step
 
     torch.manual_seed(0)
     if encoder:  # torch's own module (unbatched input: 8 tokens of width 8)
@@ -41,14 +42,7 @@ def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
 
-    def train_step(model, optim, x, scaler):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(optim)
-        scaler.update()
-        optim.zero_grad()
-        return loss
+    train_step = amp_step("cpu", torch.bfloat16)
 
     def closure_step(model, optim, x):
         return train_step(model, optim, x, scaler)

@@ -201,7 +201,20 @@ def _build(variant: str, build, step_fn, device, optim: str = "fused"):
             gradient_compression="bf16" if variant == "spmd_bf16" else None,
         ),
     )(step_fn)
-    return (lambda b: step(model, opt, b)), model, opt
+    run = lambda b: step(model, opt, b)  # noqa: E731
+    if transformation is not None and transformation.config.inductor:
+        run.fell_back = lambda: not _lowered(step)  # type: ignore[attr-defined]
+    return run, model, opt
+
+
+def _lowered(step: Any) -> bool:
+    """Whether the compile door's steady-state step graph runs Inductor's code (a lowering
+    that failed logs it and runs the fx graph: the bench must not call that Inductor)."""
+    from spmd_backend.lowering import InductorModule
+
+    compiled = getattr(step, "compiled", None)
+    gm = compiled._gm("main") if compiled is not None and hasattr(compiled, "_gm") else compiled
+    return isinstance(gm, InductorModule)
 
 
 def _state_mb(opt: torch.optim.Optimizer) -> float:
@@ -330,6 +343,7 @@ def _bench_job(
             parts = _breakdown(runs[v], batches[1], device)
             exposed = parts["comm"]
             res["variants"][v] = {
+                "fell_back_to_fx_graph": bool(getattr(runs[v], "fell_back", lambda: False)()),
                 "step_ms": 1e3 * med,
                 "ratio_to_ddp": med / ddp_med if ddp_med else None,
                 "first_call_s": first[v],
@@ -508,9 +522,11 @@ def markdown(result: dict) -> str:
                      f"{res['comm_only_ms']:.1f} ms, lower bound {res['lower_bound_ms']:.1f} ms\n")
         lines.append("| variant | step ms | vs DDP eager | vs lower bound | first 2 calls s | peak mem MB | optimizer state MB | exposed comm ms |")
         lines.append("|---|---|---|---|---|---|---|---|")
+        fell_back = [v for v, r in res["variants"].items() if r.get("fell_back_to_fx_graph")]
         for v, r in res["variants"].items():
+            mark = " (fx graph: Inductor failed)" if v in fell_back else ""
             lines.append(
-                f"| {v} | {r['step_ms']:.1f} | {_fmt(r['ratio_to_ddp'], '.2f')}x | "
+                f"| {v}{mark} | {r['step_ms']:.1f} | {_fmt(r['ratio_to_ddp'], '.2f')}x | "
                 f"{r['distance_to_bound']:.2f}x | {r['first_call_s']:.1f} | {r['peak_mem_mb']:.0f} | "
                 f"{_fmt(r.get('optim_state_mb'), '.0f')} | {_fmt(r['exposed_comm_ms'])} |"
             )

@@ -1,6 +1,7 @@
 """The GPU paths, checked on one CUDA device: NCCL with one rank, Triton lowering, checkpointing.
 
     python tools/gpu_check.py [--device cuda|cpu] [--steps 6] [--out out/gpu_check.json]
+                              [--parts parity amp dropout checkpoint]
 
 Not a test (CI has no GPU): a record for docs/benchmarks.md, run when the device tool lends a
 GPU machine. One rank on NCCL (gloo with ``--device cpu``, for a dry run here). Per case, the
@@ -10,9 +11,12 @@ its graph runs (``dispatch_ms``: binding, cache key, lookup, gathering inputs), 
 Inductor compiled the step graph (``lowered``; a fallback to the fx graph is logged by the
 lowering and reported as ``fallback``), and the error if the case failed. Cases: the seed's
 MLP and transformers' GPT-2 x (fx graph, Inductor, sharded optimizer state, bf16 compression)
-x (``Adam(...)``, ``Adam(fused=True)``); then the peak CUDA memory of a GPT step with and
-without ``spmd_backend.checkpoint`` on every block, compiled and eager. Every
-case runs whatever the others did; the script exits non-zero when one failed.
+x (``Adam(...)``, ``Adam(fused=True)``); AMP as CUDA users write it (float16 autocast,
+``GradScaler("cuda")``, an inf gradient on two steps) against DDP; dropout under the Inductor
+lowering (fresh masks each call, and whether they are eager's for the same seed); then the peak
+CUDA memory of a GPT step with and without ``spmd_backend.checkpoint`` on every block, compiled
+and eager. Every case runs whatever the others did; the script exits non-zero when one failed
+(an AMP or dropout case also fails when its result is wrong, not only when it raises).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from spmd_backend.testing import run_on_ranks  # noqa: E402
 
 MODES = ("fx", "inductor", "shard", "bf16")
+PARTS = ("parity", "amp", "dropout", "checkpoint")
 OPTIMS = {"default": {}, "fused": {"fused": True}}
 
 
@@ -214,12 +219,108 @@ def _checkpoint_memory(device: torch.device, compiled: bool, ckpt: bool) -> dict
     return {"steady_peak_mb": peak, "losses": losses}
 
 
-def _job(rank: int, world: int, steps: int, workloads: list[str]) -> dict:
+def _amp_case(optim: str, steps: int, device: torch.device) -> dict:
+    """float16 autocast and ``GradScaler`` on the device (bfloat16 for a CPU dry run), an inf
+    gradient on the first step and a later one: the compiled step (Inductor) must skip both,
+    back the scale off and keep training like DDP with the same scaler."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spmd_backend
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+    from spmd_backend.testing.models import MLP
+    from spmd_backend.testing.steps import amp_step
+
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    torch.manual_seed(0)
+    model = MLP(64, 256, 3, 16).to(device)
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **OPTIMS[optim])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, **OPTIMS[optim])
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**12, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler(device.type, init_scale=2.0**12, growth_interval=2)
+
+    step_fn = amp_step(device.type, dtype)
+    step = spmd_backend.compile(
+        gm_transformation=GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=True, background_compile=False),
+        parallel_mode=spmd_backend.DataParallel(reduce_op="avg"))(step_fn)
+    handler = _LoweringLog()
+    logging.getLogger("spmd_backend").addHandler(handler)
+    logging.getLogger("spmd_backend").setLevel(logging.INFO)
+    gen = torch.Generator().manual_seed(3)
+    inf_steps = (0, 3)
+    try:
+        for i in range(max(steps, 6)):
+            x = torch.randn(32, 64, generator=gen).to(device)
+            if i in inf_steps:
+                x[0, 0] = float("inf")
+            step(model, opt, x, scaler)
+            step_fn(ddp, ref_opt, x, ref_scaler)
+    finally:
+        logging.getLogger("spmd_backend").removeHandler(handler)
+    diff = max(float((p.detach().double() - q.detach().double()).abs().max())
+               for p, q in zip(model.parameters(), ref.parameters()))
+    steps_taken = sorted({int(s["step"]) for s in opt.state.values()})
+    ref_steps = sorted({int(s["step"]) for s in ref_opt.state.values()})
+    out = {"max_param_diff": diff, "scale": scaler.get_scale(), "ddp_scale": ref_scaler.get_scale(),
+           "optimizer_steps": steps_taken, "ddp_optimizer_steps": ref_steps,
+           "lowered": handler.compiled > 0, "fallback": handler.fallbacks}
+    if out["scale"] != out["ddp_scale"] or steps_taken != ref_steps or not diff < 1e-3:
+        raise AssertionError(f"AMP step trained differently from DDP: {out}")
+    return out
+
+
+def _dropout_case(inductor: bool, device: torch.device) -> dict:
+    """A dropout model, learning rate 0, the same input each call: the compiled step must draw a
+    fresh mask per call (a mask fixed at trace time would train wrong silently). Recorded too:
+    whether its losses, and the generator's next draw after the call, are eager's for the same
+    ``torch.manual_seed`` (Inductor may lower random ops to its own generator)."""
+    import spmd_backend
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+
+    def step_fn(model, optim, x):  # type: ignore[no-untyped-def]
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(512, 1)).to(device)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
+    step = spmd_backend.compile(gm_transformation=GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=inductor, background_compile=False),
+        parallel_mode=spmd_backend.DataParallel(reduce_op="avg"))(step_fn)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).to(device)
+    losses, eager_losses, same_next_draw = [], [], []
+    for i in range(4):
+        torch.manual_seed(100 + i)
+        losses.append(float(step(model, opt, x)))
+        after = torch.rand(4, device=device)
+        torch.manual_seed(100 + i)
+        eager_losses.append(float(step_fn(ref, ref_opt, x)))
+        same_next_draw.append(bool(torch.equal(after, torch.rand(4, device=device))))
+    torch.manual_seed(7)
+    unseeded = [float(step(model, opt, x)) for _ in range(3)]
+    out = {"losses": losses, "eager_losses": eager_losses,
+           "equal_to_eager": [abs(a - b) <= 1e-6 * max(1.0, abs(b))
+                              for a, b in zip(losses, eager_losses)],
+           "same_next_draw_as_eager": same_next_draw, "unseeded_losses": unseeded}
+    if len(set(losses)) < len(losses) or len(set(unseeded)) < len(unseeded):
+        raise AssertionError(f"dropout drew the same mask on two calls: {out}")
+    return out
+
+
+def _job(rank: int, world: int, steps: int, workloads: list[str], parts: list[str]) -> dict:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    out: dict[str, Any] = {"parity": {}, "checkpoint": {}}
-    for name in workloads:
+    out: dict[str, Any] = {"parity": {}, "amp": {}, "dropout": {}, "checkpoint": {}}
+    for name in workloads if "parity" in parts else ():
         for optim in OPTIMS:
             for mode in MODES:
                 key = f"{name}/{mode}/Adam {optim}"
@@ -230,7 +331,22 @@ def _job(rank: int, world: int, steps: int, workloads: list[str]) -> dict:
                                           "traceback": traceback.format_exc()[-4000:]}
                 print(key, {k: v for k, v in out["parity"][key].items() if k not in ("traceback", "profile", "ddp_profile")},
                       flush=True)
-    for compiled in (False, True):
+    cases: list[tuple[str, str, Any]] = [
+        *(("amp", f"amp/AdamW {optim}", lambda optim=optim: _amp_case(optim, steps, device))
+          for optim in OPTIMS),
+        *(("dropout", f"dropout/{'inductor' if ind else 'fx'}",
+           lambda ind=ind: _dropout_case(ind, device)) for ind in (False, True)),
+    ]
+    for part, key, run in cases:
+        if part not in parts:
+            continue
+        try:
+            out[part][key] = run()
+        except Exception as e:  # noqa: BLE001 - a record, every case runs
+            out[part][key] = {"error": f"{type(e).__name__}: {e}"[:2000],
+                              "traceback": traceback.format_exc()[-4000:]}
+        print(key, {k: v for k, v in out[part][key].items() if k != "traceback"}, flush=True)
+    for compiled in (False, True) if "checkpoint" in parts else ():
         for ckpt in (False, True):
             key = f"{'compiled' if compiled else 'eager'}/{'checkpoint' if ckpt else 'plain'}"
             try:
@@ -250,6 +366,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workloads", nargs="+", default=["mlp", "hf_gpt2"])
     parser.add_argument("--out", default="out/gpu_check.json")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device")
@@ -258,14 +375,14 @@ def main() -> None:
             "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.machine(),
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
             "date": time.strftime("%Y-%m-%d")}
-    result = run_on_ranks(_job, args.steps, args.workloads, world_size=1, timeout=3000,
+    result = run_on_ranks(_job, args.steps, args.workloads, args.parts, world_size=1, timeout=3000,
                           backend="nccl" if args.device == "cuda" else "gloo", env=env)[0]
     result["meta"] = meta
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(json.dumps(meta))
-    failed = [k for part in ("parity", "checkpoint") for k, v in result[part].items() if "error" in v]
+    failed = [k for part in PARTS for k, v in result[part].items() if "error" in v]
     print(f"wrote {path}; failed: {failed or 'none'}")
     sys.exit(1 if failed else 0)
 

@@ -13,3 +13,21 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tens
     optim.step()
     optim.zero_grad()
     return loss
+
+
+def amp_step(device_type: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """:func:`train_step` as AMP users write it, for one device type and autocast dtype:
+    ``step(model, optim, batch, scaler)`` with the loss under ``torch.autocast`` and a
+    ``torch.amp.GradScaler`` scaling the backward, stepping and updating."""
+
+    def amp_train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor,
+                       scaler: torch.amp.GradScaler) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=dtype):
+            loss = model(batch).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optim)
+        scaler.update()
+        optim.zero_grad()
+        return loss
+
+    return amp_train_step
