@@ -15,16 +15,22 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tens
     return loss
 
 
-def amp_step(device_type: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def amp_step(device_type: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+             clip_norm: float | None = None):
     """:func:`train_step` as AMP users write it, for one device type and autocast dtype:
     ``step(model, optim, batch, scaler)`` with the loss under ``torch.autocast`` and a
-    ``torch.amp.GradScaler`` scaling the backward, stepping and updating."""
+    ``torch.amp.GradScaler`` scaling the backward, stepping and updating. With ``clip_norm``:
+    torch's recipe for clipping under AMP (``scaler.unscale_(optim)``, then
+    ``clip_grad_norm_``, before ``scaler.step``)."""
 
     def amp_train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor,
                        scaler: torch.amp.GradScaler) -> torch.Tensor:
         with torch.autocast(device_type, dtype=dtype):
             loss = model(batch).float().pow(2).mean()
         scaler.scale(loss).backward()
+        if clip_norm is not None:
+            scaler.unscale_(optim)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         scaler.step(optim)
         scaler.update()
         optim.zero_grad()
