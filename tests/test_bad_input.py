@@ -181,6 +181,19 @@ def test_arithmetic_on_item_is_refused_naming_it(fake_pg):
     assert_untouched(before, model, opt)
 
 
+def test_decision_inside_a_torch_module_names_its_line(fake_pg):
+    """BatchNorm with momentum=None reads num_batches_tracked as a Python number on every
+    step: the refusal names torch's line and the module setting, not only the step's line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=None), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdTraceError, match=r"torch/nn/modules/batchnorm\.py:\d+ .*num_batches_tracked"
+                                             r".*momentum=None"):
+        spmd_backend.compile()(good_step)(model, opt, torch.randn(4, 8))
+    assert_untouched(before, model, opt)
+
+
 def test_error_inside_the_step_restores_everything(fake_pg):
     model, opt = make()
     before = snapshot(model, opt)

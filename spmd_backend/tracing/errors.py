@@ -4,7 +4,9 @@
 :class:`~spmd_backend.errors.SpmdTraceError` that says what kind of problem it is (a real tensor
 captured from outside, a Python decision on a tensor's value) and where: the line of the user's
 step function and the innermost line outside torch and spmd_backend (a library such as
-transformers) on the failing call's stack. :func:`user_frame` gives that innermost line for any
+transformers) on the failing call's stack; a decision on a tensor's value made inside torch's
+optimizers or modules (Adafactor's step sizes, BatchNorm's cumulative average) names torch's line
+too, with what the user can do about it. :func:`user_frame` gives that innermost line for any
 stack.
 """
 
@@ -27,6 +29,13 @@ _LIBRARY_DIRS = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 )
 _TORCH_OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
+_TORCH_NN_DIR = os.path.join(os.path.dirname(torch.__file__), "nn") + os.sep
+#: what to do about a torch module's decision on a tensor value, by the module's file
+_MODULE_HINTS = {
+    "batchnorm.py": "a BatchNorm with momentum=None (a cumulative average) reads "
+                    "num_batches_tracked as a Python number on every step; give it a momentum "
+                    "(torch's default is 0.1)",
+}
 
 
 def is_user_frame(frame: traceback.FrameSummary) -> bool:
@@ -67,6 +76,12 @@ def _where(e: BaseException, fn: Callable[..., Any]) -> str:
     return "; ".join(parts)
 
 
+def _deeper_user_frame(frames: list[traceback.FrameSummary], frame: traceback.FrameSummary) -> bool:
+    """Whether user code runs below ``frame`` (then the decision is the user's: a forward hook,
+    a user module called by a torch container)."""
+    return any(is_user_frame(f) for f in frames[frames.index(frame) + 1:])
+
+
 def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
     """``e`` (raised while tracing ``fn``) as an error that names its kind and place."""
     msg = str(e)
@@ -89,6 +104,18 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
                 "compiled graph cannot replay for other values: spmd_backend.compile cannot "
                 'trace this optimizer. torch.compile(step, backend="spmd") runs it (Dynamo '
                 "splits the step where the optimizer reads the value). "
+                f"({type(e).__name__}: {msg.splitlines()[0][:200]})"
+            )
+        in_nn = [f for f in _frames(e) if f.filename.startswith(_TORCH_NN_DIR)
+                 and os.path.basename(f.filename) != "module.py"]
+        if in_nn and not _deeper_user_frame(_frames(e), in_nn[-1]):
+            # a torch module decides (its settings do): name its line, not only the step's
+            frame = in_nn[-1]
+            hint = _MODULE_HINTS.get(os.path.basename(frame.filename))
+            return SpmdTraceError(
+                "a torch module makes a Python decision on a tensor's value at "
+                f"torch/nn/{_describe(frame)[len(_TORCH_NN_DIR):]}{at}, which one compiled "
+                f"graph cannot replay for other values{': ' + hint if hint else ''}. "
                 f"({type(e).__name__}: {msg.splitlines()[0][:200]})"
             )
         return SpmdTraceError(
