@@ -1,4 +1,4 @@
-"""Parity with DDP on models nobody here wrote: transformers GPT-2, BERT and T5 with padded
+"""Parity with DDP on models nobody here wrote: transformers GPT-2, Llama, BERT and T5 with padded
 attention masks (random init, tiny configs), torch's ``nn.TransformerEncoder`` and its recurrent
 layers (``nn.LSTM``, a bidirectional ``nn.GRU``), trained with
 ``AdamW`` as users write it (torch's default implementation) and an LR schedule, 2 gloo ranks.
@@ -21,7 +21,8 @@ pytest.importorskip("transformers")
 ADAMW = OptimSpec("adamw", "default", lr=1e-3, weight_decay=0.01, scheduler=True)
 
 
-@pytest.mark.parametrize("model", ["hf_gpt2", "hf_bert", "hf_t5", "torch_encoder", "torch_recurrent"])
+@pytest.mark.parametrize("model", ["hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "torch_encoder",
+                                   "torch_recurrent"])
 def test_third_party_parity(rank_pool, model):
     result = rank_pool.run(check_ddp_parity, ParityCase(model, ADAMW, steps=6, reduce_op="avg"))[0]
     assert result.losses[0] != result.losses[-1], "the model did not train"

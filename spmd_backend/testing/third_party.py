@@ -1,8 +1,8 @@
 """Models nobody on this project wrote: transformers (random init, tiny configs) and torch's own
 ``nn.TransformerEncoder``, with padded batches, for parity tests against DDP.
 
-Registered in :data:`spmd_backend.testing.models.MODELS` as ``hf_gpt2``, ``hf_bert``,
-``hf_t5`` and ``torch_encoder``. transformers is imported only when one of them is built.
+Registered in :data:`spmd_backend.testing.models.MODELS` as ``hf_gpt2``, ``hf_llama``,
+``hf_bert``, ``hf_t5``, ``torch_encoder`` and ``torch_recurrent``. transformers is imported only when one of them is built.
 Dropout is off (compiled graphs and eager draw random numbers in different orders), every batch
 pads some rows (so the attention-mask code paths run) and depends on the generator (so a step
 without gradient collectives diverges from DDP).
@@ -46,6 +46,18 @@ def _gpt2() -> nn.Module:
 def _gpt2_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
     ids, mask = _padded_tokens(gen)
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                         max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
+                         pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"  # as for GPT-2: no warning (a graph break) on first use
+    return model
 
 
 def _bert() -> nn.Module:
@@ -137,6 +149,8 @@ def _key_bias(name: str, param: torch.Tensor) -> Any:
 
 THIRD_PARTY_MODELS: dict[str, ModelEntry] = {
     "hf_gpt2": ModelEntry(build=_gpt2, batch=_gpt2_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
+    # grouped-query attention, rotary embeddings, RMSNorm, gated MLP: today's decoder layout
+    "hf_llama": ModelEntry(build=_llama, batch=_gpt2_batch, loss_fn=_hf_loss),
     "hf_bert": ModelEntry(build=_bert, batch=_bert_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
     "hf_t5": ModelEntry(build=_t5, batch=_t5_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
     "torch_encoder": ModelEntry(build=_encoder, batch=_encoder_batch, loss_fn=_encoder_loss,
