@@ -194,6 +194,42 @@ def test_decision_inside_a_torch_module_names_its_line(fake_pg):
     assert_untouched(before, model, opt)
 
 
+class PythonCounterSGD(torch.optim.Optimizer):
+    """Momentum SGD with a bias-corrected step as some third-party optimizers write it: the step
+    counter is a Python int in the param group (pytorch_optimizer's Adan, Lion, Ranger ...)."""
+
+    def __init__(self, params, lr=0.1, beta=0.9):
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            correction = 1 - group["beta"] ** group["step"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+                p.add_(buf, alpha=-group["lr"] / correction)
+
+
+def test_python_counter_in_a_param_group_is_refused(fake_pg):
+    """The traced step's ``group['step'] += 1`` went to the trace only: every replay reused the
+    bias correction of the traced step and the group never advanced (0.06 off eager after 8
+    steps with pytorch_optimizer's Adan). Now refused naming the entry, with nothing changed."""
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = PythonCounterSGD(model.parameters())
+    good_step(model, opt, torch.randn(2, 8))  # eager: the group holds its counter already
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdUsageError, match=r"PythonCounterSGD.step\(\) changes "
+                                             r"param_groups\[0\]\['step'\] \(1 -> 2\)"):
+        spmd_backend.compile()(good_step)(model, opt, torch.randn(2, 8))
+    assert_untouched(before, model, opt)
+    assert opt.param_groups[0]["step"] == 1
+
+
 def test_error_inside_the_step_restores_everything(fake_pg):
     model, opt = make()
     before = snapshot(model, opt)

@@ -42,8 +42,9 @@ class _Audit:
             return
         raise SpmdUsageError(
             f'backend="spmd": the gradient of parameter {self.fqn!r} was computed outside the '
-            "spmd-compiled graphs (a graph break inside the model ran part of it eagerly), so it "
-            "would not be synchronized across ranks; remove the graph break "
+            "spmd-compiled graphs (a graph break inside the model ran part of it eagerly, or "
+            "Dynamo stopped compiling the step after its recompile limit: TORCH_LOGS=recompiles "
+            "shows why), so it would not be synchronized across ranks; remove the graph break "
             "(torch._dynamo.explain shows it) or compile the model with fullgraph=True"
         )
 
@@ -89,8 +90,10 @@ def check_before_step(params: Iterable[torch.Tensor]) -> None:
             raise SpmdUsageError(
                 f'backend="spmd": optimizer parameter #{i} ({name}, shape {list(p.shape)}) '
                 "has a gradient that no spmd-compiled backward reduced (a graph break inside "
-                "the model ran it eagerly?); it would not be synchronized across ranks. Remove "
-                "the graph break (torch._dynamo.explain shows it)"
+                "the model ran it eagerly, or Dynamo stopped compiling the step after its "
+                "recompile limit?); it would not be synchronized across ranks. Remove the graph "
+                "break (torch._dynamo.explain shows it) or the cause of the recompiles "
+                "(TORCH_LOGS=recompiles)"
             )
         audit.reduced_since_step = False
 

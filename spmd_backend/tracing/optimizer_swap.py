@@ -9,8 +9,10 @@ this rank's shards of the parameters). Each param group is replaced by a
 :class:`~spmd_backend.tracing.tracked.RecordingGroup`, so the keys the step reads become the
 graph's guards. While ``step()`` runs, a lifted value compared with zero (torch's optimizers
 branch on ``if weight_decay != 0`` and ``if momentum > 0``) answers from its real value, and
-the comparison is recorded: the graph then guards on the value's sign. Everything (the user's
-group dicts included) is restored in a ``finally`` block.
+the comparison is recorded: the graph then guards on the value's sign. A step that changes a
+param group entry itself (a Python step counter in the group, as some third-party optimizers
+keep) is refused: no graph can replay it. Everything (the user's group dicts included) is
+restored in a ``finally`` block.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.dispatch import TraceContext
 from spmd_backend.tracing.hyperparams import HyperSlot, install, slot_value, traced_implementation
 from spmd_backend.tracing.sharding import ShardedStep
@@ -66,6 +69,47 @@ class _ZeroTests(TorchFunctionMode):
                 self.report(hit[0])
                 return op(hit[1], 0)
         return func(*args, **(kwargs or {}))
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an object without a usable ==: treat as changed
+        return False
+
+
+def _refuse_group_updates(opt: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
+    """Raise if the traced ``step()`` changed a param group entry (a Python step counter kept in
+    the group, ``group['step'] += 1``): the graph replays tensor updates only, so every replay
+    would reuse whatever the trace computed from that value (bias corrections baked in at the
+    traced step) and the user's group would never advance. Whether the update uses the value
+    cannot be told from the trace (it may flow through a local variable), so every change is
+    refused."""
+    for g, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if not isinstance(group, RecordingGroup):
+            continue
+        for k in sorted(group.written, key=str):
+            before, after = saved.get(k, _MISSING), dict.get(group, k, _MISSING)
+            if k == "params" or _same(before, after):
+                continue
+            was = "absent" if before is _MISSING else repr(before)[:60]
+            now = "removed" if after is _MISSING else (
+                "a tensor" if isinstance(after, torch.Tensor) else repr(after)[:60])
+            raise SpmdUsageError(
+                f"spmd_backend.compile: {type(opt).__name__}.step() changes "
+                f"param_groups[{g}][{k!r}] ({was} -> {now}), a Python value the optimizer "
+                "updates itself (a step counter kept in the param group); a compiled graph "
+                "replays tensor updates only, so every call would reuse the value the trace "
+                "saw. Use an optimizer that keeps such counters as tensors in its state (as "
+                "torch.optim's do)"
+            )
 
 
 @contextlib.contextmanager
@@ -125,6 +169,7 @@ def optimizer_swapped(
             )
         opt.state = new_state
         yield new_state
+        _refuse_group_updates(opt, saved_groups)
     finally:
         in_step.close()
         for h in handles:

@@ -192,13 +192,39 @@ def _key_of(k: Any) -> tuple[str, Any]:
 
 
 class RecordingGroup(dict):
-    """An optimizer param group that reports which keys the step reads (see :class:`ReadRecorder`)."""
+    """An optimizer param group that reports which keys the step reads (see :class:`ReadRecorder`)
+    and remembers which it writes (:attr:`written`: a Python update of the group, which no graph
+    can replay)."""
 
-    __slots__ = ("_report",)
+    __slots__ = ("_report", "written")
 
     def __init__(self, items: Any, report: Callable[[str], None]) -> None:
         super().__init__(items)
         self._report = report
+        self.written: set[Any] = set()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.written.add(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self.written.add(key)
+        super().__delitem__(key)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self._report(key)
+        if key not in self:
+            self.written.add(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self.written.add(key)
+        return super().pop(key, *default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        new = dict(*args, **kwargs)
+        self.written.update(new)
+        super().update(new)
 
     def __getitem__(self, key: Any) -> Any:
         self._report(key)
