@@ -230,6 +230,33 @@ def test_python_counter_in_a_param_group_is_refused(fake_pg):
     assert opt.param_groups[0]["step"] == 1
 
 
+class SkipZeroGradSGD(torch.optim.Optimizer):
+    """A third-party-style optimizer deciding in Python on a tensor's value."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.grad.abs().sum() == 0:  # the decision
+                    continue
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_decision_inside_a_third_party_optimizer_names_its_line(fake_pg):
+    """torch's step wrapper calls the optimizer's own step: the refusal names the optimizer's
+    line (it named torch's wrapper, torch/optim/optimizer.py, before)."""
+    model, _ = make()
+    opt = SkipZeroGradSGD(model.parameters())
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdTraceError, match=r"decision on a tensor's value at \S*test_bad_input"
+                                             r"\.py:\d+ `if p.grad is None or p.grad.abs"):
+        spmd_backend.compile()(good_step)(model, opt, torch.randn(2, 8))
+    assert_untouched(before, model, opt)
+
+
 def test_error_inside_the_step_restores_everything(fake_pg):
     model, opt = make()
     before = snapshot(model, opt)

@@ -64,14 +64,16 @@ def _frames(e: BaseException) -> list[traceback.FrameSummary]:
     return frames
 
 
-def _where(e: BaseException, fn: Callable[..., Any]) -> str:
+def _where(e: BaseException, fn: Callable[..., Any], named: str = "") -> str:
+    """Where the failure is in the user's code: the step's line and, if deeper, the innermost
+    line outside torch (unless the message names it already: ``named``)."""
     frames = [f for f in _frames(e) if is_user_frame(f)]
     step_file = getattr(getattr(fn, "__code__", None), "co_filename", None)
     parts = []
     in_step = [f for f in frames if f.filename == step_file]
     if in_step:
         parts.append(f"your step at {_describe(in_step[-1])}")
-    if frames and (not in_step or frames[-1] is not in_step[-1]):
+    if frames and (not in_step or frames[-1] is not in_step[-1]) and _describe(frames[-1]) != named:
         parts.append(f"called from {_describe(frames[-1])}")
     return "; ".join(parts)
 
@@ -95,12 +97,19 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             f"list(ema.parameters())) or register it as a buffer{at}. ({msg[:300]})"
         )
     if type(e).__name__ in _DATA_DEPENDENT or "data-dependent" in msg:
-        in_optim = [f for f in _frames(e) if f.filename.startswith(_TORCH_OPTIM_DIR)]
+        frames = _frames(e)
+        in_optim = [f for f in frames if f.filename.startswith(_TORCH_OPTIM_DIR)]
         if in_optim:
-            # the user cannot change torch's optimizer code: say whose decision it is
+            # the user cannot change the optimizer's code: say whose decision it is (torch's,
+            # or a third-party optimizer's that torch's step wrapper called)
+            below = [f for f in frames[frames.index(in_optim[-1]) + 1:] if is_user_frame(f)]
+            place = (_describe(below[-1]) if below else
+                     f"torch/optim/{_describe(in_optim[-1])[len(_TORCH_OPTIM_DIR):]}")
+            where = _where(e, fn, named=place)
+            at = f" ({where})" if where else ""
             return SpmdTraceError(
-                "the optimizer's step makes a Python decision on a tensor's value at "
-                f"torch/optim/{_describe(in_optim[-1])[len(_TORCH_OPTIM_DIR):]}{at}, which one "
+                f"the optimizer's step makes a Python decision on a tensor's value at {place}"
+                f"{at}, which one "
                 "compiled graph cannot replay for other values: spmd_backend.compile cannot "
                 'trace this optimizer. torch.compile(step, backend="spmd") runs it (Dynamo '
                 "splits the step where the optimizer reads the value). "
