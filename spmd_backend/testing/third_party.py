@@ -2,7 +2,8 @@
 ``nn.TransformerEncoder``, with padded batches, for parity tests against DDP.
 
 Registered in :data:`spmd_backend.testing.models.MODELS` as ``hf_gpt2``, ``hf_llama``,
-``hf_bert``, ``hf_t5``, ``torch_encoder`` and ``torch_recurrent``. transformers is imported only when one of them is built.
+``hf_bert``, ``hf_t5``, ``torch_encoder`` and ``torch_recurrent``. transformers is imported only
+when one of them is built.
 Dropout is off (compiled graphs and eager draw random numbers in different orders), every batch
 pads some rows (so the attention-mask code paths run) and depends on the generator (so a step
 without gradient collectives diverges from DDP).

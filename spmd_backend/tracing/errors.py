@@ -109,15 +109,14 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             at = f" ({where})" if where else ""
             return SpmdTraceError(
                 f"the optimizer's step makes a Python decision on a tensor's value at {place}"
-                f"{at}, which one "
-                "compiled graph cannot replay for other values: spmd_backend.compile cannot "
-                'trace this optimizer. torch.compile(step, backend="spmd") runs it (Dynamo '
-                "splits the step where the optimizer reads the value). "
+                f"{at}, which one compiled graph cannot replay for other values: "
+                'spmd_backend.compile cannot trace this optimizer. torch.compile(step, backend="spmd") '
+                "runs it (Dynamo splits the step where the optimizer reads the value). "
                 f"({type(e).__name__}: {msg.splitlines()[0][:200]})"
             )
-        in_nn = [f for f in _frames(e) if f.filename.startswith(_TORCH_NN_DIR)
+        in_nn = [f for f in frames if f.filename.startswith(_TORCH_NN_DIR)
                  and os.path.basename(f.filename) != "module.py"]
-        if in_nn and not _deeper_user_frame(_frames(e), in_nn[-1]):
+        if in_nn and not _deeper_user_frame(frames, in_nn[-1]):
             # a torch module decides (its settings do): name its line, not only the step's
             frame = in_nn[-1]
             hint = _MODULE_HINTS.get(os.path.basename(frame.filename))
