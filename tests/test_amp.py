@@ -3,8 +3,8 @@
 The step is written as users write it (``scaler.scale(loss).backward(); scaler.step(opt);
 scaler.update()``), with the scaler passed as an argument or captured from the enclosing scope.
 One case clips as torch's AMP recipe does (``scaler.unscale_(opt)``, ``clip_grad_norm_``,
-``scaler.step``): the norm must be the averaged gradients' (as DDP's, after its all_reduce),
-and the step must not unscale again. One step gets an inf gradient on rank 1 only: after the
+``scaler.step``), over 4 micro-batches accumulated by one scaled backward each: the norm must be
+the averaged gradients' (as DDP's, after its all_reduce), and the step must not unscale again. One step gets an inf gradient on rank 1 only: after the
 all_reduce both ranks must skip it (eager's ``found_inf``), back the scale off, and stay
 identical to DDP, also on the very first step (where eager creates no optimizer state at all). With ``shard_optimizer=True`` the
 scaler's unscale reads the full gradients (all_reduce, then each rank's slice) while the
@@ -24,7 +24,8 @@ INF_STEPS = (0, 3)  # the first step (state creation) and a steady-state step
 
 
 def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
-         shard: bool = False, encoder: bool = False, clip: bool = False) -> dict[str, float]:
+         shard: bool = False, encoder: bool = False, clip: bool = False,
+         micro_batches: int = 1) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import spmd_backend
@@ -45,7 +46,8 @@ def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
 
     # clip: a norm between the gradients' norms of some steps, so it clips some and not others
-    train_step = amp_step("cpu", torch.bfloat16, clip_norm=0.1 if clip else None)
+    train_step = amp_step("cpu", torch.bfloat16, clip_norm=0.1 if clip else None,
+                          micro_batches=micro_batches)
 
     def closure_step(model, optim, x):
         return train_step(model, optim, x, scaler)
@@ -82,15 +84,15 @@ def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
 
 
 @pytest.mark.parametrize(
-    "impl,scaler_as_argument,shard,encoder,clip",
-    [("default", True, False, False, False), ("fused", False, False, False, False),
-     ("default", True, True, False, False), ("default", True, True, True, False),
-     ("default", True, False, False, True)],
+    "impl,scaler_as_argument,shard,encoder,clip,micro_batches",
+    [("default", True, False, False, False, 1), ("fused", False, False, False, False, 1),
+     ("default", True, True, False, False, 1), ("default", True, True, True, False, 1),
+     ("default", True, False, False, True, 4)],
 )
 def test_grad_scaler_matches_ddp_with_skipped_steps(
-    rank_pool, impl, scaler_as_argument, shard, encoder, clip
+    rank_pool, impl, scaler_as_argument, shard, encoder, clip, micro_batches
 ):
-    for out in rank_pool.run(_job, impl, scaler_as_argument, shard, encoder, clip):
+    for out in rank_pool.run(_job, impl, scaler_as_argument, shard, encoder, clip, micro_batches):
         assert out["state_after_skipped_first_step"] == 0.0
         assert out["scale"] == 0.0
         assert out["params"] < 1e-5 and out["state"] < 1e-5, out

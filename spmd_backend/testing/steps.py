@@ -16,18 +16,20 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tens
 
 
 def amp_step(device_type: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
-             clip_norm: float | None = None):
+             clip_norm: float | None = None, micro_batches: int = 1):
     """:func:`train_step` as AMP users write it, for one device type and autocast dtype:
     ``step(model, optim, batch, scaler)`` with the loss under ``torch.autocast`` and a
     ``torch.amp.GradScaler`` scaling the backward, stepping and updating. With ``clip_norm``:
     torch's recipe for clipping under AMP (``scaler.unscale_(optim)``, then
-    ``clip_grad_norm_``, before ``scaler.step``)."""
+    ``clip_grad_norm_``, before ``scaler.step``). With ``micro_batches``: the batch's chunks
+    accumulated by one scaled backward each, the loss divided by their number."""
 
     def amp_train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor,
                        scaler: torch.amp.GradScaler) -> torch.Tensor:
-        with torch.autocast(device_type, dtype=dtype):
-            loss = model(batch).float().pow(2).mean()
-        scaler.scale(loss).backward()
+        for chunk in batch.chunk(micro_batches):
+            with torch.autocast(device_type, dtype=dtype):
+                loss = model(chunk).float().pow(2).mean() / micro_batches
+            scaler.scale(loss).backward()
         if clip_norm is not None:
             scaler.unscale_(optim)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
