@@ -26,7 +26,8 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
 * replays attribute stores on an optimizer object (torch 2.13 drops them), and a ``.grad``
   store on a parameter rebound by an in-place operator (``p -= lr * p.grad; p.grad = None``,
   which torch 2.13 drops too);
-* traces the fused optimizers (``_fused_adam``...) Dynamo otherwise skips;
+* traces the fused optimizers (``_fused_adam``...) Dynamo otherwise skips, and
+  ``GradScaler.scale`` (a scaled backward per micro-batch inside a loop);
 * creates a fresh optimizer's state before the frame is traced
   (:mod:`spmd_backend.dynamo.fresh_state`), so a step compiles once instead of twice.
 * with ``options={"shard_optimizer": True}``: shards the state of the frame's optimizers before
@@ -297,12 +298,38 @@ def _backward_of_upstream_loss() -> Patch:
     return (TensorVariable, "method_backward", method_backward)
 
 
+def _grad_scaler_scale_traced() -> Patch:
+    """Trace ``GradScaler.scale``: Dynamo skips torch/amp's files, and a skipped call inside a
+    loop (``scaler.scale(loss).backward()`` per micro-batch) cannot break the graph there, so
+    Dynamo ran the whole step eagerly and the gradient audit refused it. ``scale`` is tensor
+    math on the scaler's ``_scale`` (created on first use); ``step`` and ``update`` stay as
+    they were (``step`` reads ``found_inf`` on the host: a graph break outside the loop)."""
+    from torch._dynamo import trace_rules
+    from torch._dynamo.symbolic_convert import InliningInstructionTranslator
+    from torch.amp.grad_scaler import GradScaler
+
+    codes = {GradScaler.scale.__code__, GradScaler._lazy_init_scale_growth_tracker.__code__}
+    original = InliningInstructionTranslator.__dict__["check_inlineable"].__func__
+
+    def check_inlineable(func: Any) -> Any:
+        try:
+            code = func.get_function().__code__
+        except Exception:  # noqa: BLE001 - a variable without a Python function
+            code = None
+        if code in codes:
+            return trace_rules.SkipResult(False, "spmd_backend traces GradScaler.scale")
+        return original(func)
+
+    return (InliningInstructionTranslator, "check_inlineable", staticmethod(check_inlineable))
+
+
 def _patches() -> list[Patch]:
     """(owner, attribute, replacement) for every adjustment of the scope."""
     traceable = _optimizer_functions()
     return [
         _inline_disabled(traceable), _skipped_calls(traceable), _init_group_traced(),
-        _return_loss_detached(), _backward_of_upstream_loss(), *faults.fault_patches(),
+        _return_loss_detached(), _backward_of_upstream_loss(), _grad_scaler_scale_traced(),
+        *faults.fault_patches(),
     ]
 
 
