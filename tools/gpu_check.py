@@ -22,6 +22,7 @@ and eager. Every case runs whatever the others did; the script exits non-zero wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -31,6 +32,7 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,6 +60,19 @@ class _LoweringLog(logging.Handler):
             self.compiled += 1
         elif "could not compile" in msg:
             self.fallbacks.append(msg[:400])
+
+
+@contextlib.contextmanager
+def _lowering_log() -> Iterator[_LoweringLog]:
+    """The lowering's records while the block runs (INFO on the package's logger)."""
+    handler = _LoweringLog()
+    logger = logging.getLogger("spmd_backend")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
 
 
 def _models(name: str, device: torch.device):
@@ -114,12 +129,9 @@ def _parity_case(name: str, mode: str, optim: str, steps: int, device: torch.dev
             reduce_op="avg", shard_optimizer=mode == "shard",
             gradient_compression="bf16" if mode == "bf16" else None),
     )(step_fn)
-    handler = _LoweringLog()
-    logging.getLogger("spmd_backend").addHandler(handler)
-    logging.getLogger("spmd_backend").setLevel(logging.INFO)
     gen = torch.Generator().manual_seed(1)
     times = []
-    try:
+    with _lowering_log() as handler:
         for _ in range(steps):
             b = batch(gen)
             t0 = time.perf_counter()
@@ -128,8 +140,6 @@ def _parity_case(name: str, mode: str, optim: str, steps: int, device: torch.dev
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             step_fn(ddp, ref_opt, b)
-    finally:
-        logging.getLogger("spmd_backend").removeHandler(handler)
     overhead_ms = _dispatch_ms(step, model, opt, batch(gen))
     diff = max(float((p.detach().double() - q.detach().double()).abs().max())
                for p, q in zip(model.parameters(), ref.parameters()))
@@ -245,20 +255,15 @@ def _amp_case(optim: str, steps: int, device: torch.device) -> dict:
         gm_transformation=GraphModuleTransformation(
             enable_graph_optimization=True, enable_inductor=True, background_compile=False),
         parallel_mode=spmd_backend.DataParallel(reduce_op="avg"))(step_fn)
-    handler = _LoweringLog()
-    logging.getLogger("spmd_backend").addHandler(handler)
-    logging.getLogger("spmd_backend").setLevel(logging.INFO)
     gen = torch.Generator().manual_seed(3)
     inf_steps = (0, 3)
-    try:
+    with _lowering_log() as handler:
         for i in range(max(steps, 6)):
             x = torch.randn(32, 64, generator=gen).to(device)
             if i in inf_steps:
                 x[0, 0] = float("inf")
             step(model, opt, x, scaler)
             step_fn(ddp, ref_opt, x, ref_scaler)
-    finally:
-        logging.getLogger("spmd_backend").removeHandler(handler)
     diff = max(float((p.detach().double() - q.detach().double()).abs().max())
                for p, q in zip(model.parameters(), ref.parameters()))
     steps_taken = sorted({int(s["step"]) for s in opt.state.values()})

@@ -78,10 +78,12 @@ def _where(e: BaseException, fn: Callable[..., Any], named: str = "") -> str:
     return "; ".join(parts)
 
 
-def _deeper_user_frame(frames: list[traceback.FrameSummary], frame: traceback.FrameSummary) -> bool:
-    """Whether user code runs below ``frame`` (then the decision is the user's: a forward hook,
-    a user module called by a torch container)."""
-    return any(is_user_frame(f) for f in frames[frames.index(frame) + 1:])
+def _user_frames_below(frames: list[traceback.FrameSummary],
+                       frame: traceback.FrameSummary) -> list[traceback.FrameSummary]:
+    """The frames outside torch and spmd_backend called (directly or not) by ``frame``: a
+    third-party optimizer under torch's step wrapper, a forward hook or user module under a
+    torch container (then the decision is theirs, not torch's)."""
+    return [f for f in frames[frames.index(frame) + 1:] if is_user_frame(f)]
 
 
 def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
@@ -102,7 +104,7 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
         if in_optim:
             # the user cannot change the optimizer's code: say whose decision it is (torch's,
             # or a third-party optimizer's that torch's step wrapper called)
-            below = [f for f in frames[frames.index(in_optim[-1]) + 1:] if is_user_frame(f)]
+            below = _user_frames_below(frames, in_optim[-1])
             place = (_describe(below[-1]) if below else
                      f"torch/optim/{_describe(in_optim[-1])[len(_TORCH_OPTIM_DIR):]}")
             where = _where(e, fn, named=place)
@@ -116,7 +118,7 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             )
         in_nn = [f for f in frames if f.filename.startswith(_TORCH_NN_DIR)
                  and os.path.basename(f.filename) != "module.py"]
-        if in_nn and not _deeper_user_frame(frames, in_nn[-1]):
+        if in_nn and not _user_frames_below(frames, in_nn[-1]):
             # a torch module decides (its settings do): name its line, not only the step's
             frame = in_nn[-1]
             hint = _MODULE_HINTS.get(os.path.basename(frame.filename))
