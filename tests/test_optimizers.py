@@ -284,3 +284,53 @@ def test_converting_the_model_after_some_steps_matches_eager(fake_pg):
     assert {v.dtype for k, v in actual.items() if k.startswith("state")} == {torch.float32}
     for k in expected:
         torch.testing.assert_close(actual[k], expected[k], msg=k)
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_muon_matches_eager(door):
+    """torch.optim.Muon: its Newton-Schulz iteration ``addmm(g, g, g)`` was re-inplaced by
+    remove_copy_from_optimizer into an ``addmm_`` that overwrote its own operand: NaN after one
+    step in both doors. The compile door takes one optimizer, so its model has only matrices;
+    the Dynamo door's step pairs Muon with AdamW for the biases, as Muon's documentation does.
+    One rank (a fake group of size 1): eager is the reference, and Muon's bf16 iteration would
+    turn the fake world-2 group's halved gradients into bf16 rounding differences."""
+    from spmd_backend.testing import fake_process_group
+
+    bias = door == "dynamo"
+
+    def optimizers(m):
+        mats = [p for p in m.parameters() if p.ndim == 2]
+        rest = [p for p in m.parameters() if p.ndim != 2]
+        return [torch.optim.Muon(mats, lr=0.02)] + ([torch.optim.AdamW(rest, lr=0.01)] if rest else [])
+
+    def muon_step(model, opts, x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=bias), nn.Tanh(), nn.Linear(16, 4, bias=bias))
+    twin = copy.deepcopy(model)
+    opts, refs = optimizers(model), optimizers(twin)
+    with fake_process_group(world_size=1):
+        if door == "compile":
+            from spmd_backend.gm_transformation import GraphModuleTransformation
+
+            passes = GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=False)
+            compiled = spmd_backend.compile(gm_transformation=passes)(
+                lambda model, opt, x: muon_step(model, [opt], x))
+        else:
+            compiled = torch.compile(muon_step, backend="spmd", options={"inductor": False})
+        for _ in range(4):
+            x = torch.randn(6, 8)
+            compiled(model, *(opts if door == "compile" else [opts]), x)
+            muon_step(twin, refs, x)
+    expected, actual = _state(twin, refs[0]), _state(model, opts[0])
+    for k in expected:
+        torch.testing.assert_close(actual[k], expected[k], msg=k)
+    if bias:
+        torch.testing.assert_close(_state(model, opts[1]), _state(twin, refs[1]))

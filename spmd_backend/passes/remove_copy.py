@@ -9,6 +9,10 @@ in-place variant is replaced by it, mutating its first argument(s) directly, whe
   any view of its storage, nor by a collective still in flight (issued before it, waited after
   it: ASGD's averaging once subtracted in place from the parameter shard its all_gather was
   still sending),
+* the op reads no element it would mutate through another of its arguments, unless it works
+  element by element and reads the very same tensor there (``mul(x, x)``, a foreach op's
+  element i in its own list position): ``addmm(g, g, g)`` made ``addmm_`` overwrites ``g`` while
+  its matrix product still reads it (Muon's Newton-Schulz iteration: NaN after one step),
 * an element that is a graph input (placeholder) still has a write-back copy pending after it
   (which will store the input's final value), and
 * each functional result has exactly the shape, dtype and strides of the element that would
@@ -124,6 +128,65 @@ def _same_layout(elem: fx.Node, results: list[fx.Node]) -> bool:
     return True
 
 
+def _mutated_positions(node: fx.Node) -> int:
+    """How many leading arguments the in-place variant writes (the fused kernels: several)."""
+    return ops.FUSED_MUTATED_LISTS.get(node.target, 1)
+
+
+def _elementwise(node: fx.Node) -> bool:
+    """Whether each output element depends only on the same element of each input (a foreach
+    or fused optimizer kernel: per tensor of its lists)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return (torch.Tag.pointwise in target.tags or target in ops.FUSED_MUTATED_LISTS
+            or target._overloadpacket.__name__.startswith("_foreach_"))
+
+
+def _reads_own_output(node: fx.Node) -> bool:
+    """Whether ``node``, made in place, would read an element it writes as another argument
+    (see the module docstring): allowed only for an element-wise op reading the same tensor,
+    at the same list position for a list argument."""
+    n_mutated = _mutated_positions(node)
+    mutated: dict[fx.Node, list[int | None]] = {}
+    for k in range(n_mutated):
+        arg = node.args[k] if k < len(node.args) else None
+        if isinstance(arg, fx.Node):
+            mutated.setdefault(alias_root(arg), []).append(None)
+        elif isinstance(arg, (list, tuple)):
+            for i, e in enumerate(arg):
+                if isinstance(e, fx.Node):
+                    mutated.setdefault(alias_root(e), []).append(i)
+    others: list[tuple[fx.Node, int | None]] = []
+    for arg in (*node.args[n_mutated:], *node.kwargs.values()):
+        if isinstance(arg, fx.Node):
+            others.append((arg, None))
+        elif isinstance(arg, (list, tuple)):
+            others.extend((e, i) for i, e in enumerate(arg) if isinstance(e, fx.Node))
+    elementwise = _elementwise(node)
+    for other, index in others:
+        positions = mutated.get(alias_root(other))
+        if positions is None:
+            continue
+        if not elementwise or index not in positions:
+            return True
+        if not _is_mutated_as(node, other, index, n_mutated):
+            return True  # another view of the element (``t(x)``), not the element itself
+    return False
+
+
+def _is_mutated_as(node: fx.Node, other: fx.Node, index: int | None, n_mutated: int) -> bool:
+    """Whether ``other`` itself (not another view of its storage) is written by ``node`` at
+    ``index`` of a mutated argument (the argument itself when ``index`` is None)."""
+    for k in range(n_mutated):
+        arg = node.args[k] if k < len(node.args) else None
+        if index is None and arg is other:
+            return True
+        if index is not None and isinstance(arg, (list, tuple)) and index < len(arg) and arg[index] is other:
+            return True
+    return False
+
+
 def _safe(
     node: fx.Node,
     pairs: list[tuple[fx.Node, list[fx.Node]]],
@@ -144,6 +207,8 @@ def _safe(
     """
     elems = [e for e, _ in pairs]
     if any(not isinstance(e, fx.Node) for e in elems) or len(set(elems)) != len(elems):
+        return False
+    if _reads_own_output(node):
         return False
     pos = order[node]
     for elem, results in pairs:

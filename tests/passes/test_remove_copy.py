@@ -180,3 +180,55 @@ def test_write_back_returned_by_the_graph_becomes_its_destination():
     g, c = torch.ones(3), torch.full((3,), 2.0)
     (out,) = gm(g, c)
     assert out is g and torch.equal(g, torch.full((3,), 3.0))
+
+
+def _optimizer_graph(build):
+    """A graph whose ops are all optimizer-phase, from ``build(graph, x)`` with one 4x4
+    placeholder ``x`` (a matrix the optimizer computes with: not a graph input written back)."""
+    import torch.fx as fx
+
+    from spmd_backend.graph.meta import Phase, annotate
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    start = graph.call_function(aten.mul.Tensor, (x, 2.0))
+    out = build(graph, start)
+    graph.output((out,))
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.meta["val"] = torch.empty(4, 4)
+            annotate(node, fqn=None, phase=Phase.OPTIMIZER)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("form", ["addmm_self_as_matrix", "add_transposed_self"])
+def test_op_reading_what_it_would_overwrite_stays_functional(form):
+    """torch.optim.Muon's Newton-Schulz step ``addmm(g, g, g)``: made ``addmm_``, the kernel
+    overwrote ``g`` while its matrix product still read it, and Muon trained to NaN after one
+    step in both doors. An element-wise op reading another view of what it writes
+    (``add(x, x.t())``) is unsafe too."""
+    def build(graph, g):
+        if form == "addmm_self_as_matrix":
+            return graph.call_function(aten.addmm.default, (g, g, g), {"beta": -4.7, "alpha": 2.0})
+        t = graph.call_function(aten.t.default, (g,))
+        return graph.call_function(aten.add.Tensor, (g, t))
+
+    gm = _optimizer_graph(build)
+    x = torch.randn(4, 4)
+    expected = gm(x)[0]
+    reinplace(gm)
+    assert not [n for n in gm.graph.nodes if n.target in (aten.addmm_.default, aten.add_.Tensor)]
+    torch.testing.assert_close(gm(x)[0], expected)
+
+
+def test_element_wise_op_reading_the_same_tensor_is_made_in_place():
+    def build(graph, g):
+        return graph.call_function(aten.mul.Tensor, (g, g))
+
+    gm = _optimizer_graph(build)
+    x = torch.randn(4, 4)
+    expected = gm(x)[0]
+    reinplace(gm)
+    assert [n for n in gm.graph.nodes if n.target is aten.mul_.Tensor]
+    torch.testing.assert_close(gm(x)[0], expected)
