@@ -11,7 +11,8 @@ computed once per step rather than inside every parameter's loop (an Inductor po
 functional collectives become Inductor's in-place ``all_reduce_`` + ``wait_tensor`` kept in graph
 order, so a collective issued early and waited late still overlaps the compute between them.
 The graph's order is the plan of the scheduling passes, so every compile of a step graph runs
-under :func:`step_graph_config`, which turns off Inductor's peak-memory reordering: it does not
+under :func:`step_graph_config`, which rounds low-precision intermediates as eager does
+(:func:`emulate_precision_casts`) and turns off Inductor's peak-memory reordering: it does not
 know that a wait blocks, and on the seed MLP it moved the first bucket's wait and optimizer
 update in front of the rest of the backward (123.5 -> 109.9 ms per step without it, fused Adam,
 2 gloo ranks; docs/benchmarks.md). For a graph whose all_gathers are kept one at a time (gloo,
@@ -122,6 +123,28 @@ def user_passes() -> list[str]:
     return [name for name in PASS_OPTIONS if _theirs(getattr(torch._inductor.config, name))]
 
 
+#: torch's environment switch for ``emulate_precision_casts``; when the user set it, theirs wins
+EMULATE_CASTS_ENV = "TORCHINDUCTOR_EMULATE_PRECISION_CASTS"
+
+
+def emulate_precision_casts() -> bool:
+    """Whether step graphs round low-precision intermediates as eager does: True unless the
+    user set :data:`EMULATE_CASTS_ENV` (then torch's setting, read from it).
+
+    Fused into one kernel, two bf16/fp16 ops keep their intermediate in fp32 where eager
+    rounds it to bf16 (Inductor's default): the compiled step then trains differently from
+    DDP's eager step. torch.optim.Muon's bf16 Newton-Schulz iteration was 7e-3 off DDP after
+    6 steps (2 ranks, MLP, lr 0.02); with the casts emulated, 3e-8 (docs/ddp_users.md,
+    "Optimizers")."""
+    import os
+
+    import torch._inductor.config
+
+    if os.environ.get(EMULATE_CASTS_ENV) is not None:
+        return bool(torch._inductor.config.emulate_precision_casts)
+    return True
+
+
 def step_graph_config(graph: fx.Graph | None = None) -> contextlib.AbstractContextManager[None]:
     """Inductor's configuration patched with :data:`STEP_GRAPH_CONFIG`. A
     ``post_grad_custom_pre_pass`` the user set keeps running, before ours (Inductor takes a
@@ -134,7 +157,8 @@ def step_graph_config(graph: fx.Graph | None = None) -> contextlib.AbstractConte
 
     theirs = _theirs(torch._inductor.config.post_grad_custom_pre_pass)
     ours = SCALAR_CHAIN_PASS if not theirs else (*theirs, SCALAR_CHAIN_PASS)
-    patch = {**STEP_GRAPH_CONFIG, "post_grad_custom_pre_pass": ours}
+    patch = {**STEP_GRAPH_CONFIG, "post_grad_custom_pre_pass": ours,
+             "emulate_precision_casts": emulate_precision_casts()}
     if graph is not None and keeps_all_gathers_apart(graph):
         patch["reorder_for_locality"] = False
     return torch._inductor.config.patch(patch)
@@ -199,8 +223,8 @@ def lower_to_inductor(gm: fx.GraphModule) -> nn.Module:
 
 
 __all__ = [
-    "CacheMiss", "InductorModule", "PASS_OPTIONS", "cache_only", "compile_flat",
-    "example_inputs", "flat_for_inductor", "lower_to_inductor", "STEP_GRAPH_CONFIG",
+    "CacheMiss", "EMULATE_CASTS_ENV", "InductorModule", "PASS_OPTIONS", "cache_only", "compile_flat",
+    "emulate_precision_casts", "example_inputs", "flat_for_inductor", "lower_to_inductor", "STEP_GRAPH_CONFIG",
     "step_graph_config", "user_passes",
 ]
 
