@@ -175,9 +175,9 @@ def _warn_on_recompiles(gm: fx.GraphModule) -> None:
         'backend="spmd": Dynamo compiled this step %d times. It bakes Python numbers that change '
         "between calls (a scheduler's float lr) into each graph; create the optimizer with "
         "lr=torch.tensor(...) (single-tensor or fused implementation) or use spmd_backend.compile, "
-        "which makes hyper-parameters graph inputs. Past torch._dynamo.config.recompile_limit "
-        "Dynamo runs the step eagerly, and then the gradient audit raises instead of training "
-        "unsynchronized", compile_id.frame_compile_id + 1,
+        "which makes hyper-parameters graph inputs. At torch._dynamo.config.recompile_limit "
+        "Dynamo would run the step eagerly, unsynchronized: the call is refused before it runs",
+        compile_id.frame_compile_id + 1,
     )
 
 

@@ -12,6 +12,7 @@ tests/test_dynamo_capture.py.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import subprocess
 import sys
@@ -164,14 +165,17 @@ def _tensor_lr_job(rank: int, world: int) -> None:
     assert counters["spmd"]["whole_step_graphs"] == 2, dict(counters["spmd"])  # + ragged batch
 
 
-def _float_lr_job(rank: int, world: int) -> str:
+def _float_lr_job(rank: int, world: int) -> tuple[str, list[str]]:
     """A float lr changed every step: Dynamo recompiles each time and, past its recompile limit,
-    runs the step eagerly; that must raise, not train unsynchronized."""
+    would run the step eagerly, unsynchronized. Until 2026-11-26 the gradient audit raised in
+    the eager backward, after the forward had updated BatchNorm's statistics and a gradient had
+    been accumulated; now the call is refused before it runs. Returns the message and what the
+    failed call changed."""
     import spmd_backend
 
     torch._dynamo.reset()
-    model = nn.Linear(8, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step(model, optim, batch):
         loss = model(batch).pow(2).mean()
@@ -181,19 +185,33 @@ def _float_lr_job(rank: int, world: int) -> str:
         return loss
 
     compiled = torch.compile(step, backend="spmd", options=FAST)
-    try:
-        with torch._dynamo.config.patch(recompile_limit=2):
-            for i in range(5):
-                opt.param_groups[0]["lr"] = 0.1 / (i + 1)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for i in range(5):
+            opt.param_groups[0]["lr"] = 0.1 / (i + 1)
+            before = {**{f"state {k}": v.clone() for k, v in model.state_dict().items()},
+                      **{f"grad {n}": p.grad.clone() for n, p in model.named_parameters()
+                         if p.grad is not None},
+                      **{f"momentum {n}": opt.state[p]["momentum_buffer"].clone()
+                         for n, p in model.named_parameters() if p in opt.state}}
+            try:
                 compiled(model, opt, torch.randn(4, 8))
-    except spmd_backend.SpmdUsageError as e:
-        return str(e)
-    return "trained"
+            except spmd_backend.SpmdUsageError as e:
+                after = {**{f"state {k}": v for k, v in model.state_dict().items()},
+                         **{f"grad {n}": p.grad for n, p in model.named_parameters()
+                            if p.grad is not None},
+                         **{f"momentum {n}": opt.state[p]["momentum_buffer"]
+                            for n, p in model.named_parameters() if p in opt.state}}
+                changed = [k for k in before.keys() | after.keys()
+                           if k not in before or k not in after or not torch.equal(before[k], after[k])]
+                return str(e), changed
+    return "trained", []
 
 
-def test_float_lr_past_the_recompile_limit_raises(rank_pool):
-    for message in rank_pool.run(_float_lr_job):
-        assert "computed outside the spmd-compiled graphs" in message, message
+def test_float_lr_past_the_recompile_limit_raises_before_the_call_runs(rank_pool):
+    for message, changed in rank_pool.run(_float_lr_job):
+        assert "up to its recompile_limit (2)" in message and "nothing of this call ran" in message, message
+        assert "lr=torch.tensor(" in message, message
+        assert changed == [], changed
 
 
 def test_activation_checkpointing(rank_pool):
@@ -413,3 +431,19 @@ def test_fresh_process_uses_only_the_entry_point(imported):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained with" in result.stdout
+
+
+def test_a_frame_without_a_trained_module_still_runs_eagerly_past_the_recompile_limit(fake_pg, caplog):
+    """Only a frame that reaches a module whose gradients the audit watches is refused at the
+    recompile limit; any other frame runs eagerly, as Dynamo runs it."""
+    torch._dynamo.reset()
+
+    def scale(x, name):  # a new string each call: a recompile each call
+        return x * len(name)
+
+    compiled = torch.compile(scale, backend="spmd", options=FAST)
+    x = torch.ones(3)
+    with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level(logging.WARNING, "torch._dynamo"):
+        for i in range(5):
+            torch.testing.assert_close(compiled(x, "n" * i), x * i)
+    assert any("hit config.recompile_limit" in r.getMessage() for r in caplog.records)

@@ -2,8 +2,9 @@
 
 When Dynamo cannot capture a whole step (a graph break inside the model), gradients come from
 several graphs, and a gradient computed by an eagerly run region would reach ``.grad`` without a
-collective; when Dynamo gives up on a frame altogether (its recompile limit) the whole step runs
-eagerly. Gradients computed inside a compiled graph never trigger the hook (no AccumulateGrad
+collective; when Dynamo gives up on a frame altogether (its recompile limit) the whole step would
+run eagerly: :func:`refuse_eager_fallback` refuses such a frame before it runs (the scope calls it
+from Dynamo's compile), when it reaches a module whose parameters are watched. Gradients computed inside a compiled graph never trigger the hook (no AccumulateGrad
 runs), so it costs nothing in whole-step mode. :func:`watch` gives each parameter a post-accumulate-grad hook whose state (how
 many reduced gradients are pending, whether any was reduced since the last optimizer step)
 lives in the hook object itself, found again through the parameter's hook dict: no process-wide
@@ -18,6 +19,7 @@ backward reduced.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -96,6 +98,31 @@ def check_before_step(params: Iterable[torch.Tensor]) -> None:
                 "(TORCH_LOGS=recompiles)"
             )
         audit.reduced_since_step = False
+
+
+def refuse_eager_fallback(values: Iterable[object], code: Any, limit: str, limit_value: object) -> SpmdUsageError | None:
+    """The error for a frame Dynamo would now run eagerly (its recompile ``limit`` is reached)
+    when the frame reaches a module whose parameters the audit watches, else None.
+
+    Eagerly run, such a step computes gradients no collective reduces: the audit raised in
+    ``backward()``, after the eager forward had updated buffers (BatchNorm statistics) and the
+    first gradient had been accumulated. Refused before the frame runs, nothing changes. A
+    frame that reaches no trained module (a logging helper) still runs eagerly, as Dynamo
+    would run it."""
+    fqns = [a.fqn for v in values if isinstance(v, torch.nn.Module)
+            for p in v.parameters() if (a := _audit_of(p)) is not None]
+    if not fqns:
+        return None
+    where = f"{getattr(code, 'co_name', '?')} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
+    return SpmdUsageError(
+        f'backend="spmd": Dynamo recompiled {where} up to its {limit} ({limit_value}) and would '
+        "now run it eagerly, where the gradients of its parameters (e.g. "
+        f"{fqns[0]!r}) would not be synchronized across ranks; nothing of this call ran. "
+        "Dynamo's warning above gives the last reason (TORCH_LOGS=recompiles: all of them); "
+        "typical causes: a float lr a scheduler changes every step (create the optimizer with "
+        "lr=torch.tensor(...), or use spmd_backend.compile), a Python number that changes per "
+        "call; or raise torch._dynamo.config.recompile_limit"
+    )
 
 
 def refuse_gradient_hooks(params: dict[int, torch.Tensor], fqns: dict[int, str]) -> None:

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from spmd_backend.dynamo import faults, frame, fresh_state, sharded_update
+from spmd_backend.dynamo import audit, faults, frame, fresh_state, sharded_update
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.sharding import ShardSpec
 
@@ -374,6 +374,33 @@ def raise_refusal() -> None:
         raise _sharding.refused
 
 
+def _refusing_eager_fallback(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap Dynamo's ``_compile`` so that a frame compiled for this backend that reached
+    Dynamo's recompile limit, and would therefore run eagerly, is refused before it runs when
+    it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`)."""
+    import torch._dynamo.convert_frame as convert_frame
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _compile(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        compiler_fn = bound.arguments.get("compiler_fn")
+        if compiler_fn is not None and _is_whole_step_backend(compiler_fn):
+            exceeded, limit = convert_frame.exceeds_recompile_limit(
+                bound.arguments["cache_size"], bound.arguments["compile_id"])
+            if exceeded:
+                a = bound.arguments
+                values = frame.frame_values(a["code"], a["locals"], a["globals"], a["closure"])
+                refused = audit.refuse_eager_fallback(
+                    values, a["code"], limit, getattr(torch._dynamo.config, limit, "?"))
+                if refused is not None:
+                    raise refused
+        return original(*args, **kwargs)
+
+    return _compile
+
+
 def install() -> bool:
     """Install the pass-through frame hook once; False (nothing installed) off torch 2.13."""
     if not SUPPORTED:
@@ -413,5 +440,6 @@ def install() -> bool:
                 _sharding = outer
 
     convert_frame.compile_frame = compile_frame
+    convert_frame._compile = _refusing_eager_fallback(convert_frame._compile)
     _state["installed"] = True
     return True
