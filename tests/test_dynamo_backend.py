@@ -246,10 +246,12 @@ class _Checkpointed(nn.Module):
 @pytest.mark.slow
 def test_whole_step_with_inductor_and_passes(rank_pool):
     # SGD: Inductor's fused kernels round differently from eager, which Adam would amplify on
-    # near-zero-gradient elements; the gradient path is what this test checks
-    case = _dynamo("gpt", SGD_MOMENTUM, {"inductor": True, "bucket_size_mb": 1})
+    # near-zero-gradient elements; the gradient path is what this test checks. Without
+    # momentum the step compiles with Inductor once (with momentum twice, the first call
+    # creating the buffers: 20 s more of the suite for a path the fx-graph cases cover)
+    case = _dynamo("gpt", OptimSpec("sgd", "foreach", lr=0.05), {"inductor": True, "bucket_size_mb": 1})
     result = rank_pool.run(check_ddp_parity, case)[0]
-    assert result.dynamo["whole_step_graphs"] == 2 and result.dynamo["graph_breaks"] == 0
+    assert result.dynamo["whole_step_graphs"] == 1 and result.dynamo["graph_breaks"] == 0
 
 
 def _sum_job(rank: int, world: int) -> float:
