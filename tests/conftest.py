@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 
@@ -18,7 +19,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from spmd_backend.testing import RankPool, fake_process_group  # noqa: E402
+from spmd_backend.testing import DTensorTestBase, RankPool, fake_process_group  # noqa: E402
 
 #: seconds one multi-rank job may take before its workers are killed
 RANK_JOB_TIMEOUT = float(os.environ.get("SPMD_TEST_RANK_TIMEOUT", "180"))
@@ -75,9 +76,38 @@ _SLOW_SEED_CASES = {
 
 def pytest_collection_modifyitems(config, items):
     _mark_seed_conflicts(items)
+    _group_rank_jobs(items)
     for item in items:
         if item.name in _SLOW_SEED_CASES or "test_seed_transformation" in item.nodeid and "inductor" in item.name:
             item.add_marker(pytest.mark.slow)
+
+
+#: what a test's source calls when it starts rank processes without the rank_pool fixture
+_STARTS_RANKS = ("RankPool(", "run_on_ranks(", "torchrun")
+
+
+def _starts_ranks(item) -> bool:
+    """Whether a test starts rank processes: the rank pool, a RankPool of its own,
+    ``run_on_ranks``, torchrun, or a seed's ``DTensorTestBase`` (``@with_comms`` spawns)."""
+    if "rank_pool" in getattr(item, "fixturenames", ()):
+        return True
+    cls = getattr(item, "cls", None)
+    if cls is not None:
+        return issubclass(cls, DTensorTestBase)
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return any(call in source for call in _STARTS_RANKS)
+
+
+def _group_rank_jobs(items):
+    """``make test`` runs two pytest-xdist workers (``--dist loadgroup``): every test that starts
+    ranks joins one group, which runs on one worker, one test at a time, so at most two rank
+    processes run at once (two cores), beside one single-process test on the other worker."""
+    for item in items:
+        if _starts_ranks(item):
+            item.add_marker(pytest.mark.xdist_group("ranks"))
 
 
 def _mark_seed_conflicts(items):
