@@ -102,6 +102,9 @@ def test_the_key_covers_what_the_compile_reads(monkeypatch):
         monkeypatch.setenv("SPMD_SKIP_PASSES", "schedule_comm_wait")  # the pass manager's switch
         changed["env_skips"] = _digest()[0]
         monkeypatch.delenv("SPMD_SKIP_PASSES")
+        monkeypatch.setenv("TORCHINDUCTOR_EMULATE_PRECISION_CASTS", "0")  # lowering's rounding
+        changed["emulate_casts"] = _digest()[0]
+        monkeypatch.delenv("TORCHINDUCTOR_EMULATE_PRECISION_CASTS")
         monkeypatch.setattr(step_cache, "source_digest", lambda: "another version")
         changed["source"] = _digest()[0]
     with fake_process_group(world_size=3):

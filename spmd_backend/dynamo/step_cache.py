@@ -58,6 +58,7 @@ from spmd_backend.graph import serialize
 from spmd_backend.iter_graph_module import IterGraphModule
 from spmd_backend.lowering.compile_worker import fake_tensor, tensor_spec
 from spmd_backend.lowering.handover import stable_cache_keys
+from spmd_backend.lowering.inductor import emulate_precision_casts
 from spmd_backend.parallel.gloo_all_gather import serialize_all_gathers
 from spmd_backend.pass_manager import DUMP_ENV, env_skips, pass_spec_of
 from spmd_backend.pipeline import PipelineConfig
@@ -148,7 +149,10 @@ def digest(gm: fx.GraphModule, config: PipelineConfig, inputs: DynamoInputs) -> 
     """``(hash, "")`` of what the compile reads besides the graph (module docstring), or
     ``(None, reason)`` when the step must not be cached."""
     try:
-        items: list[Any] = [("source", source_digest()), *_config_items(config)]
+        items: list[Any] = [("source", source_digest()), *_config_items(config),
+                            # the lowering's setting from the environment (Inductor's key holds
+                            # torch's setting, which the lowering overrides)
+                            ("emulate_precision_casts", emulate_precision_casts())]
         items.append(("inputs", sorted(inputs.kinds.items()), sorted(inputs.fqns.items())))
         items.extend(_attribute_items(gm))
     except _NotCacheable as e:
