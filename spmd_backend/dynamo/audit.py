@@ -113,11 +113,18 @@ def refuse_eager_fallback(values: Iterable[object], code: Any, limit: str, limit
             for p in v.parameters() if (a := _audit_of(p)) is not None]
     if not fqns:
         return None
-    where = f"{getattr(code, 'co_name', '?')} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
+    from torch._dynamo.resume_execution import TORCH_DYNAMO_RESUME_IN_PREFIX
+
+    name = getattr(code, "co_name", "?")
+    where = f"{name} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
+    # a resume function continues a frame after a graph break: what came before has run
+    before = (" (it continues the step after a graph break: the part before the break has run)"
+              if name.startswith(TORCH_DYNAMO_RESUME_IN_PREFIX) else "")
     return SpmdUsageError(
         f'backend="spmd": Dynamo recompiled {where} up to its {limit} ({limit_value}) and would '
         "now run it eagerly, where the gradients of its parameters (e.g. "
-        f"{fqns[0]!r}) would not be synchronized across ranks; nothing of this call ran. "
+        f"{fqns[0]!r}) would not be synchronized across ranks; it is refused before it "
+        f"runs{before}. "
         "Dynamo's warning above gives the last reason (TORCH_LOGS=recompiles: all of them); "
         "typical causes: a float lr a scheduler changes every step (create the optimizer with "
         "lr=torch.tensor(...), or use spmd_backend.compile), a Python number that changes per "
