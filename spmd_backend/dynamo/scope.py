@@ -46,6 +46,9 @@ only when the frame's backend is marked by :func:`mark_whole_step`. Dynamo holds
 lock there, so no other frame is traced meanwhile, and every patched method and config is
 restored when the frame is done: a stock ``torch.compile(fn)`` or ``backend="eager"`` in the
 same process behaves exactly as without this package (tests/test_dynamo_capture.py).
+It also wraps Dynamo's ``_compile`` (pass-through for other backends): a frame of this backend
+that reached Dynamo's recompile limit, which Dynamo would run eagerly, is refused before it runs
+when it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`).
 On another torch version nothing is installed and the backend runs in per-graph mode.
 """
 
