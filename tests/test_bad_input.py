@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -228,6 +230,49 @@ def test_python_counter_in_a_param_group_is_refused(fake_pg):
         spmd_backend.compile()(good_step)(model, opt, torch.randn(2, 8))
     assert_untouched(before, model, opt)
     assert opt.param_groups[0]["step"] == 1
+
+
+class TensorCounterSGD(PythonCounterSGD):
+    """The counter as a tensor in the param group, as timm's Lamb keeps it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if "step" not in group:
+                group["step"] = torch.zeros((), dtype=torch.float32)
+            group["step"] += 1
+            correction = 1 - group["beta"] ** group["step"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+                p.sub_(buf * (group["lr"] / correction))
+
+
+def test_tensor_counter_in_a_param_group_is_refused_naming_the_dynamo_door():
+    """The compile door refuses it as it does a Python counter, and says that
+    ``backend="spmd"`` (which guards on the group and carries the tensor) runs it: checked
+    here against eager (one rank)."""
+    from spmd_backend.testing import fake_process_group
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    twin = copy.deepcopy(model)
+    opt, ref = TensorCounterSGD(model.parameters()), TensorCounterSGD(twin.parameters())
+    before = snapshot(model, opt)
+    with fake_process_group(world_size=1):
+        with pytest.raises(SpmdUsageError, match=r"\(absent -> a tensor\).*backend=\"spmd\"\), which runs it"):
+            spmd_backend.compile()(good_step)(model, opt, torch.randn(2, 8))
+        assert_untouched(before, model, opt)
+        compiled = torch.compile(good_step, backend="spmd", options={"inductor": False})
+        for _ in range(3):
+            x = torch.randn(2, 8)
+            compiled(model, opt, x)
+            good_step(twin, ref, x)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+    assert float(opt.param_groups[0]["step"]) == 3
 
 
 class SkipZeroGradSGD(torch.optim.Optimizer):

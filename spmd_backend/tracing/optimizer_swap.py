@@ -102,13 +102,17 @@ def _refuse_group_updates(opt: torch.optim.Optimizer, saved_groups: list[dict]) 
             was = "absent" if before is _MISSING else repr(before)[:60]
             now = "removed" if after is _MISSING else (
                 "a tensor" if isinstance(after, torch.Tensor) else repr(after)[:60])
+            # a tensor counter in the group (timm's Lamb): Dynamo guards on the group and
+            # carries the tensor, so the other door runs it
+            dynamo = (', or torch.compile(step, backend="spmd"), which runs it'
+                      if isinstance(after, torch.Tensor) else "")
             raise SpmdUsageError(
                 f"spmd_backend.compile: {type(opt).__name__}.step() changes "
-                f"param_groups[{g}][{k!r}] ({was} -> {now}), a Python value the optimizer "
-                "updates itself (a step counter kept in the param group); a compiled graph "
-                "replays tensor updates only, so every call would reuse the value the trace "
-                "saw. Use an optimizer that keeps such counters as tensors in its state (as "
-                "torch.optim's do)"
+                f"param_groups[{g}][{k!r}] ({was} -> {now}), an entry the optimizer sets "
+                "itself (a step counter kept in the param group); a compiled graph carries "
+                "optimizer state between calls only in optimizer.state, so every call would "
+                "reuse the value the trace saw. Use an optimizer that keeps such counters in "
+                f"its state (as torch.optim's do){dynamo}"
             )
 
 
