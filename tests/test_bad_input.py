@@ -207,13 +207,16 @@ class PythonCounterSGD(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
-            correction = 1 - group["beta"] ** group["step"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
-                buf.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
-                p.add_(buf, alpha=-group["lr"] / correction)
+            self._update(group)
+
+    def _update(self, group):
+        correction = 1 - group["beta"] ** group["step"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+            buf.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
+            p.sub_(buf * (group["lr"] / correction))
 
 
 def test_python_counter_in_a_param_group_is_refused(fake_pg):
@@ -241,13 +244,7 @@ class TensorCounterSGD(PythonCounterSGD):
             if "step" not in group:
                 group["step"] = torch.zeros((), dtype=torch.float32)
             group["step"] += 1
-            correction = 1 - group["beta"] ** group["step"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
-                buf.mul_(group["beta"]).add_(p.grad, alpha=1 - group["beta"])
-                p.sub_(buf * (group["lr"] / correction))
+            self._update(group)
 
 
 def test_tensor_counter_in_a_param_group_is_refused_naming_the_dynamo_door():
