@@ -150,8 +150,8 @@ def digest(gm: fx.GraphModule, config: PipelineConfig, inputs: DynamoInputs) -> 
     ``(None, reason)`` when the step must not be cached."""
     try:
         items: list[Any] = [("source", source_digest()), *_config_items(config),
-                            # the lowering's setting from the environment (Inductor's key holds
-                            # torch's setting, which the lowering overrides)
+                            # the lowering's setting from the environment (AOTAutograd's key
+                            # holds torch's setting, which the lowering overrides)
                             ("emulate_precision_casts", emulate_precision_casts())]
         items.append(("inputs", sorted(inputs.kinds.items()), sorted(inputs.fqns.items())))
         items.extend(_attribute_items(gm))
