@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -136,8 +137,6 @@ def emulate_precision_casts() -> bool:
     DDP's eager step. torch.optim.Muon's bf16 Newton-Schulz iteration was 7e-3 off DDP after
     6 steps (2 ranks, MLP, lr 0.02); with the casts emulated, 3e-8 (docs/ddp_users.md,
     "Optimizers")."""
-    import os
-
     import torch._inductor.config
 
     if os.environ.get(EMULATE_CASTS_ENV) is not None:

@@ -143,48 +143,29 @@ def _elementwise(node: fx.Node) -> bool:
             or target._overloadpacket.__name__.startswith("_foreach_"))
 
 
+def _leaves(args: object) -> list[tuple[fx.Node, int | None]]:
+    """``(tensor, list position)`` for each node among ``args`` (position None: not in a list)."""
+    out: list[tuple[fx.Node, int | None]] = []
+    for arg in args:  # type: ignore[attr-defined]
+        if isinstance(arg, fx.Node):
+            out.append((arg, None))
+        elif isinstance(arg, (list, tuple)):
+            out.extend((e, i) for i, e in enumerate(arg) if isinstance(e, fx.Node))
+    return out
+
+
 def _reads_own_output(node: fx.Node) -> bool:
     """Whether ``node``, made in place, would read an element it writes as another argument
     (see the module docstring): allowed only for an element-wise op reading the same tensor,
     at the same list position for a list argument."""
     n_mutated = _mutated_positions(node)
-    mutated: dict[fx.Node, list[int | None]] = {}
-    for k in range(n_mutated):
-        arg = node.args[k] if k < len(node.args) else None
-        if isinstance(arg, fx.Node):
-            mutated.setdefault(alias_root(arg), []).append(None)
-        elif isinstance(arg, (list, tuple)):
-            for i, e in enumerate(arg):
-                if isinstance(e, fx.Node):
-                    mutated.setdefault(alias_root(e), []).append(i)
-    others: list[tuple[fx.Node, int | None]] = []
-    for arg in (*node.args[n_mutated:], *node.kwargs.values()):
-        if isinstance(arg, fx.Node):
-            others.append((arg, None))
-        elif isinstance(arg, (list, tuple)):
-            others.extend((e, i) for i, e in enumerate(arg) if isinstance(e, fx.Node))
+    written = set(_leaves(node.args[:n_mutated]))
+    roots = {alias_root(e) for e, _ in written}
     elementwise = _elementwise(node)
-    for other, index in others:
-        positions = mutated.get(alias_root(other))
-        if positions is None:
-            continue
-        if not elementwise or index not in positions:
-            return True
-        if not _is_mutated_as(node, other, index, n_mutated):
-            return True  # another view of the element (``t(x)``), not the element itself
-    return False
-
-
-def _is_mutated_as(node: fx.Node, other: fx.Node, index: int | None, n_mutated: int) -> bool:
-    """Whether ``other`` itself (not another view of its storage) is written by ``node`` at
-    ``index`` of a mutated argument (the argument itself when ``index`` is None)."""
-    for k in range(n_mutated):
-        arg = node.args[k] if k < len(node.args) else None
-        if index is None and arg is other:
-            return True
-        if index is not None and isinstance(arg, (list, tuple)) and index < len(arg) and arg[index] is other:
-            return True
-    return False
+    return any(
+        alias_root(e) in roots and not (elementwise and (e, i) in written)
+        for e, i in _leaves((*node.args[n_mutated:], *node.kwargs.values()))
+    )
 
 
 def _safe(
