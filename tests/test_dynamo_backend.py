@@ -347,6 +347,68 @@ def test_eager_region_with_parameters_is_an_error(rank_pool):
         assert "no spmd-compiled backward reduced" in message, message
 
 
+class _UserMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _skipped_step(model, batch):
+    """Dynamo cannot resume after the data-dependent branch of ``error_if_nonfinite`` while a
+    generator (``model.parameters()``) is live, so it gives up on the whole frame and runs it
+    eagerly; the update is written by hand (no optimizer frame to compile)."""
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, error_if_nonfinite=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+            p.grad = None
+    return loss
+
+
+def _skipped_frame_job(rank: int, world: int, user_module: bool) -> str:
+    """A step frame Dynamo gives up on. With a user's module, Dynamo compiles its forward as a
+    frame of its own, whose backward reduces: parity with DDP. With ``nn.Sequential`` no graph
+    of the backend ever saw the parameters: until 2026-11-26 each rank trained on its own
+    gradients, silently; now the eager gradient raises in ``backward()``, naming the frame."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spmd_backend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _UserMLP() if user_module else nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    compiled = torch.compile(_skipped_step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    try:
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=gen)
+            compiled(model, x)
+            _skipped_step(ddp, x)
+    except spmd_backend.SpmdUsageError as e:
+        return str(e)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    return "parity"
+
+
+def test_a_step_dynamo_gives_up_on_is_never_unsynchronized(rank_pool):
+    for message in rank_pool.run(_skipped_frame_job, False):
+        assert "Dynamo could not compile _skipped_step" in message, message
+        assert "would not be synchronized across ranks" in message, message
+
+
+def test_a_step_dynamo_gives_up_on_trains_through_the_modules_it_compiles(rank_pool):
+    assert rank_pool.run(_skipped_frame_job, True) == ["parity", "parity"]
+
+
 def test_fused_optimizer_is_captured_in_the_whole_step(rank_pool):
     """Stock Dynamo skips the fused kernels (a graph break); the spmd scope traces them and the
     pipeline decomposes them: one graph, one compile, parity with DDP."""

@@ -4,7 +4,9 @@ When Dynamo cannot capture a whole step (a graph break inside the model), gradie
 several graphs, and a gradient computed by an eagerly run region would reach ``.grad`` without a
 collective; when Dynamo gives up on a frame altogether (its recompile limit) the whole step would
 run eagerly: :func:`refuse_eager_fallback` refuses such a frame before it runs (the scope calls it
-from Dynamo's compile), when it reaches a module whose parameters are watched. Gradients computed inside a compiled graph never trigger the hook (no AccumulateGrad
+from Dynamo's compile), when it reaches a module whose parameters are watched; a frame Dynamo
+gives up on while compiling it (a graph break it cannot resume from) has its trainable
+parameters watched (:func:`watch_skipped_frame`), so an eager gradient raises. Gradients computed inside a compiled graph never trigger the hook (no AccumulateGrad
 runs), so it costs nothing in whole-step mode. :func:`watch` gives each parameter a post-accumulate-grad hook whose state (how
 many reduced gradients are pending, whether any was reduced since the last optimizer step)
 lives in the hook object itself, found again through the parameter's hook dict: no process-wide
@@ -37,17 +39,24 @@ class _Audit:
         self.fqn = fqn
         self.pending = 0
         self.reduced_since_step = False
+        #: the last frame reaching this parameter that Dynamo gave up on and ran eagerly
+        #: (:func:`watch_skipped_frame`), named in the error
+        self.skipped: str | None = None
 
     def __call__(self, param: torch.Tensor) -> None:
         if self.pending > 0:
             self.pending -= 1
             return
+        if self.skipped is not None:
+            cause = f"{self.skipped}; TORCH_LOGS=graph_breaks shows where it gave up"
+        else:
+            cause = ("a graph break inside the model ran part of it eagerly, or Dynamo stopped "
+                     "compiling the step after its recompile limit: TORCH_LOGS=recompiles shows why")
         raise SpmdUsageError(
             f'backend="spmd": the gradient of parameter {self.fqn!r} was computed outside the '
-            "spmd-compiled graphs (a graph break inside the model ran part of it eagerly, or "
-            "Dynamo stopped compiling the step after its recompile limit: TORCH_LOGS=recompiles "
-            "shows why), so it would not be synchronized across ranks; remove the graph break "
-            "(torch._dynamo.explain shows it) or compile the model with fullgraph=True"
+            f"spmd-compiled graphs ({cause}), so it would not be synchronized across ranks; "
+            "remove the graph break (torch._dynamo.explain shows it) or compile the model with "
+            "fullgraph=True"
         )
 
 
@@ -60,6 +69,44 @@ def watch(param: torch.Tensor, fqn: str) -> None:
     """Audit ``param``'s gradients from now on (idempotent)."""
     if param.requires_grad and _audit_of(param) is None:
         param.register_post_accumulate_grad_hook(_Audit(fqn))
+
+
+def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int:
+    """Dynamo gave up on a frame compiled for this backend and runs it eagerly (``reason``: a
+    graph break it cannot resume from, e.g. a generator it cannot rebuild, or its recompile
+    limit); watch the trainable parameters of the modules and optimizers the frame reaches,
+    when gradients are enabled. Returns how many parameters it watches.
+
+    A module whose ``forward`` Dynamo compiles as a frame of its own (a user's module) still
+    trains: its compiled backward reduces the gradients. Otherwise (``nn.Sequential``, the
+    update written by hand in the skipped frame) the eager backward computed gradients that no
+    collective reduced and nothing noticed, since no compiled graph had ever watched the
+    parameters: each rank trained on its own gradients. Watched, such a gradient raises in
+    ``backward()``, naming this frame."""
+    if not torch.is_grad_enabled():  # an evaluation under no_grad: no gradient to watch
+        return 0
+    name = getattr(code, "co_name", "?")
+    where = f"{name} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
+    first = next((line.strip() for line in reason.splitlines() if line.strip()), "")
+    note = f"Dynamo could not compile {where} and runs it eagerly: {first[:200]}"
+    count = 0
+    for v in values:
+        if isinstance(v, torch.nn.Module):
+            named = list(v.named_parameters())
+        elif isinstance(v, torch.optim.Optimizer):
+            named = [(f"param_groups.{g}.params.{i}", p)
+                     for g, group in enumerate(v.param_groups) for i, p in enumerate(group["params"])]
+        else:
+            continue
+        for fqn, p in named:
+            if not p.requires_grad:
+                continue
+            watch(p, fqn)
+            audit = _audit_of(p)
+            if audit is not None:
+                audit.skipped = note
+                count += 1
+    return count
 
 
 def mark_reduced(params: Iterable[torch.Tensor]) -> None:

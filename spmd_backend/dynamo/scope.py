@@ -48,8 +48,10 @@ restored when the frame is done: a stock ``torch.compile(fn)`` or ``backend="eag
 same process behaves exactly as without this package (tests/test_dynamo_capture.py).
 It also wraps Dynamo's ``_compile`` (pass-through for other backends): a frame of this backend
 that reached Dynamo's recompile limit, which Dynamo would run eagerly, is refused before it runs
-when it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`).
-On another torch version nothing is installed and the backend runs in per-graph mode.
+when it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`), and
+a frame Dynamo gives up on while compiling has the parameters it reaches watched by the gradient
+audit (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`). On another torch version nothing
+is installed and the backend runs in per-graph mode.
 """
 
 from __future__ import annotations
@@ -380,26 +382,34 @@ def raise_refusal() -> None:
 def _refusing_eager_fallback(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap Dynamo's ``_compile`` so that a frame compiled for this backend that reached
     Dynamo's recompile limit, and would therefore run eagerly, is refused before it runs when
-    it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`)."""
+    it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`); when
+    Dynamo gives up on such a frame while compiling it (a soft failure it answers by running the
+    frame eagerly), the trainable parameters the frame reaches are watched by the gradient audit
+    (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`)."""
     import torch._dynamo.convert_frame as convert_frame
 
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        compiler_fn = bound.arguments.get("compiler_fn")
-        if compiler_fn is not None and _is_whole_step_backend(compiler_fn):
-            exceeded, limit = convert_frame.exceeds_recompile_limit(
-                bound.arguments["cache_size"], bound.arguments["compile_id"])
-            if exceeded:
-                a = bound.arguments
-                values = frame.frame_values(a["code"], a["locals"], a["globals"], a["closure"])
-                refused = audit.refuse_eager_fallback(
-                    values, a["code"], limit, getattr(torch._dynamo.config, limit, "?"))
-                if refused is not None:
-                    raise refused
-        return original(*args, **kwargs)
+        from torch._dynamo.exc import Unsupported, UserError
+
+        a = signature.bind(*args, **kwargs).arguments
+        compiler_fn = a.get("compiler_fn")
+        if compiler_fn is None or not _is_whole_step_backend(compiler_fn):
+            return original(*args, **kwargs)
+        values = frame.frame_values(a["code"], a["locals"], a["globals"], a["closure"])
+        exceeded, limit = convert_frame.exceeds_recompile_limit(a["cache_size"], a["compile_id"])
+        if exceeded:
+            refused = audit.refuse_eager_fallback(
+                values, a["code"], limit, getattr(torch._dynamo.config, limit, "?"))
+            if refused is not None:
+                raise refused
+        try:
+            return original(*args, **kwargs)
+        except (Unsupported, UserError) as e:  # Dynamo answers these by running the frame eagerly
+            audit.watch_skipped_frame(values, a["code"], str(e))
+            raise
 
     return _compile
 
