@@ -48,7 +48,7 @@ class _Audit:
             self.pending -= 1
             return
         if self.skipped is not None:
-            cause = f"{self.skipped}; TORCH_LOGS=graph_breaks shows where it gave up"
+            cause = f"{self.skipped}; TORCH_LOGS=graph_breaks shows why"
         else:
             cause = ("a graph break inside the model ran part of it eagerly, or Dynamo stopped "
                      "compiling the step after its recompile limit: TORCH_LOGS=recompiles shows why")
@@ -73,9 +73,10 @@ def watch(param: torch.Tensor, fqn: str) -> None:
 
 def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int:
     """Dynamo gave up on a frame compiled for this backend and runs it eagerly (``reason``: a
-    graph break it cannot resume from, e.g. a generator it cannot rebuild, or its recompile
-    limit); watch the trainable parameters of the modules and optimizers the frame reaches,
-    when gradients are enabled. Returns how many parameters it watches.
+    graph break it cannot resume from, e.g. a generator it cannot rebuild, its recompile limit,
+    or any error under ``torch._dynamo.config.suppress_errors``); watch the trainable
+    parameters of the modules and optimizers the frame reaches, when gradients are enabled.
+    Returns how many parameters it watches.
 
     A module whose ``forward`` Dynamo compiles as a frame of its own (a user's module) still
     trains: its compiled backward reduces the gradients. Otherwise (``nn.Sequential``, the
@@ -87,8 +88,7 @@ def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int
         return 0
     name = getattr(code, "co_name", "?")
     where = f"{name} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
-    first = next((line.strip() for line in reason.splitlines() if line.strip()), "")
-    note = f"Dynamo could not compile {where} and runs it eagerly: {first[:200]}"
+    note = f"Dynamo could not compile {where} and runs it eagerly: {reason}"
     count = 0
     for v in values:
         if isinstance(v, torch.nn.Module):

@@ -379,6 +379,21 @@ def raise_refusal() -> None:
         raise _sharding.refused
 
 
+def _runs_eagerly_after(error: Exception, arguments: dict[str, Any]) -> bool:
+    """Whether Dynamo answers ``error``, raised by its ``_compile`` (called with ``arguments``),
+    by running the frame eagerly instead of raising it: a graph break it cannot resume from
+    (``Unsupported``, ``UserError``), or any error under ``torch._dynamo.config.suppress_errors``
+    (a refusal of this backend included); never with ``fullgraph=True``."""
+    from torch._dynamo import exc
+
+    box = arguments.get("convert_frame_box")
+    if arguments.get("one_graph") or getattr(box, "error_on_graph_break", False):
+        return False
+    if isinstance(error, (exc.UncapturedHigherOrderOpError, exc.ResumePrologueTracingError)):
+        return False
+    return isinstance(error, (exc.Unsupported, exc.UserError)) or bool(torch._dynamo.config.suppress_errors)
+
+
 def _refusing_eager_fallback(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap Dynamo's ``_compile`` so that a frame compiled for this backend that reached
     Dynamo's recompile limit, and would therefore run eagerly, is refused before it runs when
@@ -392,7 +407,7 @@ def _refusing_eager_fallback(original: Callable[..., Any]) -> Callable[..., Any]
 
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
-        from torch._dynamo.exc import Unsupported, UserError
+        from torch._dynamo import exc
 
         a = signature.bind(*args, **kwargs).arguments
         compiler_fn = a.get("compiler_fn")
@@ -407,8 +422,14 @@ def _refusing_eager_fallback(original: Callable[..., Any]) -> Callable[..., Any]
                 raise refused
         try:
             return original(*args, **kwargs)
-        except (Unsupported, UserError) as e:  # Dynamo answers these by running the frame eagerly
-            audit.watch_skipped_frame(values, a["code"], str(e))
+        except Exception as e:
+            if _runs_eagerly_after(e, a):
+                root = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed: ours
+                first = next((line.strip() for line in str(root).splitlines() if line.strip()), "")
+                reason = f"{type(root).__name__}: {first[:300]}"
+                if not isinstance(e, (exc.Unsupported, exc.UserError)):
+                    reason += " (an error torch._dynamo.config.suppress_errors turns into an eager run)"
+                audit.watch_skipped_frame(values, a["code"], reason)
             raise
 
     return _compile
