@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from spmd_backend.dynamo import audit, faults, frame, fresh_state, sharded_update
+from spmd_backend.dynamo import audit, eager_guard, faults, frame, fresh_state, sharded_update
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.sharding import ShardSpec
 
@@ -475,5 +475,7 @@ def install() -> bool:
 
     convert_frame.compile_frame = compile_frame
     convert_frame._compile = _refusing_eager_fallback(convert_frame._compile)
+    eager_guard.install(_is_whole_step_backend, _backend_options,
+                        lambda f: frame.frame_values(f.f_code, f.f_locals, f.f_globals, f.closure))
     _state["installed"] = True
     return True

@@ -1,0 +1,176 @@
+"""No step of ``backend="spmd"`` runs eagerly, unsynchronized, without an error.
+
+``backend="spmd"`` is where a step's gradients are reduced: a frame Dynamo runs eagerly, without
+calling the backend, computes each rank's gradients alone. Dynamo does so silently when
+
+* it is disabled when the step is decorated (``torch.compile(..., disable=True)``,
+  ``TORCHDYNAMO_DISABLE=1``): ``torch.compile`` returns the function itself;
+* it is disabled when the step is called (``torch._dynamo.config.disable``), or a torch dispatch
+  mode is active (``FlopCounterMode``, ``DebugMode``): it skips every frame;
+* it gives up on a frame while compiling it: handled by the scope's ``_compile`` wrapper, which
+  has the audit watch the frame's parameters (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`).
+
+Until 2026-11-26 the first two trained each rank on its own data with no error (0.08 off DDP
+after 5 Adam steps). :func:`install` now wraps ``torch._dynamo.optimize`` (for the first) and
+Dynamo's per-frame skip (for the second), both pass-through for other backends, so such a call
+raises :class:`~spmd_backend.errors.SpmdUsageError` before anything of it runs when the data-
+parallel group has more than one rank and the frame reaches a trainable parameter with gradients
+enabled (an evaluation under ``no_grad`` and a one-rank run go on eagerly, which is exact there).
+A module given to a disabled ``torch.compile`` is returned as is, so it is checked when it is
+decorated (refused, or a warning before the process group exists).
+
+Requires torch 2.13 internals: ``torch._dynamo.optimize`` returning ``_NullDecorator`` when
+disabled, ``CatchErrorsWrapper._handle_skip`` with the skip reasons of ``convert_frame``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from spmd_backend.errors import SpmdError, SpmdUsageError
+
+#: the reasons Dynamo gives in ``CatchErrorsWrapper`` for skipping a frame it was asked to compile
+#: that this module refuses (other skips: a frame of a skipped file, a resumed generator), with
+#: what the error says of each and what to do
+_REFUSED_SKIPS = {
+    "Dynamo tracing is disabled": (
+        "torch._dynamo.config.disable is set",
+        "unset it for the step"),
+    "non-infra torch dispatch mode present": (
+        "a torch dispatch mode is active (FlopCounterMode, DebugMode, ...), under which Dynamo "
+        "compiles nothing",
+        "call the step outside the mode, or compile it with spmd_backend.compile, whose step runs "
+        "under such a mode"),
+}
+_DISABLED = ("torch.compile(disable=True) or TORCHDYNAMO_DISABLE=1",
+             "compile the step with Dynamo enabled")
+
+
+def group_size(options: dict[str, Any] | None) -> int:
+    """The number of ranks the backend would reduce over with ``options``; 1 without a process
+    group or with options the backend refuses (it raises its own error for those)."""
+    from spmd_backend.pipeline import PipelineConfig
+
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    try:
+        group = PipelineConfig.from_options(options, door="dynamo").parallel.process_group()
+    except SpmdError:
+        return 1
+    return int(torch.distributed.get_world_size(group))
+
+
+def trained_parameter(values: Iterable[object]) -> str | None:
+    """The name of a parameter that requires grad among the modules and optimizers in
+    ``values``, when gradients are enabled; else None."""
+    if not torch.is_grad_enabled():
+        return None
+    for v in values:
+        if isinstance(v, torch.nn.Module):
+            name = next((n for n, p in v.named_parameters() if p.requires_grad), None)
+            if name is not None:
+                return f"{type(v).__name__}.{name}" if name else type(v).__name__
+        elif isinstance(v, torch.optim.Optimizer):
+            if any(p.requires_grad for g in v.param_groups for p in g["params"]):
+                return f"a parameter of {type(v).__name__}"
+    return None
+
+
+def _error(what: str, why: tuple[str, str], world: int, parameter: str) -> SpmdUsageError:
+    return SpmdUsageError(
+        f'backend="spmd": {what} would run eagerly ({why[0]}): backend="spmd" is what reduces '
+        f"the gradients across the {world} ranks, so each rank would train {parameter} on its own "
+        f"gradients. It is refused before it runs: {why[1]} (to debug eagerly, wrap the model in "
+        "DistributedDataParallel instead)"
+    )
+
+
+def _refuse_disabled_call(fn: Callable[..., Any], options: dict[str, Any] | None) -> Callable[..., Any]:
+    """``fn`` (a step ``torch.compile`` returned as is) checked at each call."""
+
+    @functools.wraps(fn)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        parameter = trained_parameter([*args, *kwargs.values()])
+        if parameter is not None:
+            world = group_size(options)
+            if world > 1:
+                raise _error(f"the step {getattr(fn, '__qualname__', fn)!r}", _DISABLED, world, parameter)
+        return fn(*args, **kwargs)
+
+    return step
+
+
+def _wrap_optimize(original: Callable[..., Any], ours: Callable[[Any], bool],
+                   options_of: Callable[[Any], dict[str, Any] | None]) -> Callable[..., Any]:
+    from torch._dynamo.eval_frame import _NullDecorator
+
+    @functools.wraps(original)
+    def optimize(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        backend = kwargs.get("backend", args[0] if args else None)
+        if not isinstance(result, _NullDecorator) or backend is None or not ours(backend):
+            return result
+        options = options_of(backend)
+
+        def decorate(fn: Any) -> Any:
+            if isinstance(fn, torch.nn.Module):  # returned as is: checked now
+                parameter = trained_parameter([fn])
+                world = group_size(options)
+                if parameter is not None and world > 1:
+                    raise _error(f"the module {type(fn).__name__}", _DISABLED, world, parameter)
+                if not torch.distributed.is_initialized():
+                    warnings.warn(
+                        f'torch.compile(..., backend="spmd") of a {type(fn).__name__} with Dynamo '
+                        f"disabled ({_DISABLED[0]}) returns the module as is: its gradients are "
+                        "not reduced across ranks", stacklevel=3)
+                return fn
+            return _refuse_disabled_call(fn, options)
+
+        return decorate
+
+    return optimize
+
+
+def _wrap_handle_skip(original: Callable[..., Any], ours: Callable[[Any], bool],
+                      options_of: Callable[[Any], dict[str, Any] | None],
+                      values_of: Callable[[Any], list[Any]]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _handle_skip(self: Any, result: Any, frame: Any) -> Any:
+        reason = getattr(result, "skip_reason", None)
+        why = next((w for r, w in _REFUSED_SKIPS.items() if reason and reason.startswith(r)), None)
+        backend = getattr(self, "_torchdynamo_orig_backend", None)
+        if why is not None and backend is not None and ours(backend):
+            parameter = trained_parameter(values_of(frame))
+            if parameter is not None:
+                world = group_size(options_of(backend))
+                if world > 1:
+                    code = frame.f_code
+                    raise _error(f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
+                                 why, world, parameter)
+        return original(self, result, frame)
+
+    return _handle_skip
+
+
+def install(ours: Callable[[Any], bool], options_of: Callable[[Any], dict[str, Any] | None],
+            values_of: Callable[[Any], list[Any]]) -> None:
+    """Wrap ``torch._dynamo.optimize`` and Dynamo's per-frame skip (once). ``ours`` tells a
+    backend of this package, ``options_of`` its ``options``, ``values_of`` what a frame reaches."""
+    import torch._dynamo
+    import torch._dynamo.convert_frame as convert_frame
+
+    if not getattr(torch._dynamo.optimize, "_spmd_eager_guard", False):
+        torch._dynamo.optimize = _wrap_optimize(torch._dynamo.optimize, ours, options_of)
+        torch._dynamo.optimize._spmd_eager_guard = True  # type: ignore[attr-defined]
+    wrapper = convert_frame.CatchErrorsWrapper
+    if not getattr(wrapper._handle_skip, "_spmd_eager_guard", False):
+        wrapper._handle_skip = _wrap_handle_skip(wrapper._handle_skip, ours, options_of, values_of)  # type: ignore[method-assign]
+        wrapper._handle_skip._spmd_eager_guard = True  # type: ignore[attr-defined]
+
+
+__all__ = ["group_size", "install", "trained_parameter"]
