@@ -91,3 +91,28 @@ def test_other_backends_are_untouched(fake_pg):
     model, opt = _model_and_optimizer()
     assert torch.compile(model, backend="eager", disable=True) is model
     torch.compile(_step, backend="eager", disable=True)(model, opt, torch.randn(4, 8))
+
+
+def test_a_step_called_under_the_force_eager_stance_is_refused(fake_pg):
+    torch._dynamo.reset()
+    model, opt = _model_and_optimizer()
+    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    with torch.compiler.set_stance("force_eager"):
+        _refused(compiled, model, opt, r'set_stance\("force_eager"\)')
+        with torch.no_grad():  # an evaluation runs eagerly, as the stance says
+            evaluate = torch.compile(lambda m, x: m(x).sum(), backend="spmd", options=FAST)
+            evaluate(model, torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("stance", ["eager_then_compile", "eager_on_recompile"])
+def test_stances_that_run_calls_eagerly_compile_spmd_steps(fake_pg, stance):
+    """Such a stance ran the first call (or a recompile) eagerly, unsynchronized."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, opt = _model_and_optimizer()
+    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    with torch.compiler.set_stance(stance), pytest.warns(UserWarning, match=rf'"{stance}"\) is not applied'):
+        compiled(model, opt, torch.randn(4, 8))
+    assert counters["spmd"]["whole_step_graphs"] == 1, dict(counters["spmd"])

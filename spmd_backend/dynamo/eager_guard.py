@@ -7,20 +7,26 @@ calling the backend, computes each rank's gradients alone. Dynamo does so silent
   ``TORCHDYNAMO_DISABLE=1``): ``torch.compile`` returns the function itself;
 * it is disabled when the step is called (``torch._dynamo.config.disable``), or a torch dispatch
   mode is active (``FlopCounterMode``, ``DebugMode``): it skips every frame;
+* a compile stance says so (``torch.compiler.set_stance``): ``force_eager`` runs every call
+  eagerly, ``eager_then_compile``/``aot_eager_then_compile`` the first, ``eager_on_recompile``
+  every call that would recompile;
 * it gives up on a frame while compiling it: handled by the scope's ``_compile`` wrapper, which
   has the audit watch the frame's parameters (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`).
 
-Until 2026-11-26 the first two trained each rank on its own data with no error (0.08 off DDP
-after 5 Adam steps). :func:`install` now wraps ``torch._dynamo.optimize`` (for the first) and
-Dynamo's per-frame skip (for the second), both pass-through for other backends, so such a call
-raises :class:`~spmd_backend.errors.SpmdUsageError` before anything of it runs when the data-
+Until 2026-11-26 the first three trained each rank on its own data with no error (0.08 off DDP
+after 5 Adam steps). :func:`install` now wraps ``torch._dynamo.optimize`` (for the first),
+Dynamo's per-frame skip (for the second) and its choice of callback under a stance (for the
+third), all pass-through for other backends. The stances that run some calls eagerly to save
+compiles are not applied to this backend's frames (they compile as by default; warned once);
+any other such call raises :class:`~spmd_backend.errors.SpmdUsageError` before anything of it runs when the data-
 parallel group has more than one rank and the frame reaches a trainable parameter with gradients
 enabled (an evaluation under ``no_grad`` and a one-rank run go on eagerly, which is exact there).
 A module given to a disabled ``torch.compile`` is returned as is, so it is checked when it is
 decorated (refused, or a warning before the process group exists).
 
 Requires torch 2.13 internals: ``torch._dynamo.optimize`` returning ``_NullDecorator`` when
-disabled, ``CatchErrorsWrapper._handle_skip`` with the skip reasons of ``convert_frame``.
+disabled, ``CatchErrorsWrapper._handle_skip`` with the skip reasons of ``convert_frame``,
+``eval_frame._callback_from_stance`` (looked up by name at each call).
 """
 
 from __future__ import annotations
@@ -157,6 +163,59 @@ def _wrap_handle_skip(original: Callable[..., Any], ours: Callable[[Any], bool],
     return _handle_skip
 
 
+#: the compile stances (``torch.compiler.set_stance``) that run a frame eagerly although it
+#: could be compiled: for this backend's frames they compile as in the default stance
+_EAGER_STANCES = ("eager_then_compile", "aot_eager_then_compile", "eager_on_recompile")
+
+
+def _wrap_callback_from_stance(original: Callable[..., Any], ours: Callable[[Any], bool],
+                               options_of: Callable[[Any], dict[str, Any] | None],
+                               values_of: Callable[[Any], list[Any]]) -> Callable[..., Any]:
+    """Dynamo's choice of the frame callback under the compile stance, for this backend's
+    callback: ``force_eager`` gets a callback that refuses a frame reaching a trainable
+    parameter on more than one rank (else runs it and its callees eagerly, as the stance
+    does); the stances that run some calls eagerly to save compiles keep the callback (warned
+    once). Raising inside the callback, not here, lets Dynamo's call wrapper restore its state."""
+    from torch._dynamo import eval_frame
+    from torch._dynamo.types import ConvertFrameReturn, FrameAction, FrameExecStrategy
+
+    warned: set[str] = set()
+
+    @functools.wraps(original)
+    def _callback_from_stance(callback: Any) -> Any:
+        stance = eval_frame._stance.stance
+        if stance == "default" or callback in (False, None) or not ours(callback):
+            return original(callback)
+        if stance in _EAGER_STANCES:
+            if stance not in warned:
+                warned.add(stance)
+                warnings.warn(
+                    f'torch.compiler.set_stance("{stance}") is not applied to backend="spmd" '
+                    "steps: an eager call would not reduce the gradients across ranks; they "
+                    "compile as in the default stance", stacklevel=2)
+            return callback
+        if stance != "force_eager":
+            return original(callback)
+        options = options_of(callback)
+
+        def refuse_or_run_eagerly(frame: Any, cache_entry: Any, frame_state: Any) -> Any:
+            parameter = trained_parameter(values_of(frame))
+            if parameter is not None:
+                world = group_size(options)
+                if world > 1:
+                    code = frame.f_code
+                    raise _error(f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
+                                 ('torch.compiler.set_stance("force_eager")',
+                                  "use the default stance for the step"), world, parameter)
+            return ConvertFrameReturn(
+                frame_exec_strategy=FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP),
+                apply_to_code=False)
+
+        return refuse_or_run_eagerly
+
+    return _callback_from_stance
+
+
 def install(ours: Callable[[Any], bool], options_of: Callable[[Any], dict[str, Any] | None],
             values_of: Callable[[Any], list[Any]]) -> None:
     """Wrap ``torch._dynamo.optimize`` and Dynamo's per-frame skip (once). ``ours`` tells a
@@ -167,6 +226,12 @@ def install(ours: Callable[[Any], bool], options_of: Callable[[Any], dict[str, A
     if not getattr(torch._dynamo.optimize, "_spmd_eager_guard", False):
         torch._dynamo.optimize = _wrap_optimize(torch._dynamo.optimize, ours, options_of)
         torch._dynamo.optimize._spmd_eager_guard = True  # type: ignore[attr-defined]
+    import torch._dynamo.eval_frame as eval_frame
+
+    if not getattr(eval_frame._callback_from_stance, "_spmd_eager_guard", False):
+        eval_frame._callback_from_stance = _wrap_callback_from_stance(
+            eval_frame._callback_from_stance, ours, options_of, values_of)
+        eval_frame._callback_from_stance._spmd_eager_guard = True  # type: ignore[attr-defined]
     wrapper = convert_frame.CatchErrorsWrapper
     if not getattr(wrapper._handle_skip, "_spmd_eager_guard", False):
         wrapper._handle_skip = _wrap_handle_skip(wrapper._handle_skip, ours, options_of, values_of)  # type: ignore[method-assign]
