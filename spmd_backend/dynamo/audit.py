@@ -6,11 +6,12 @@ collective; when Dynamo gives up on a frame altogether (its recompile limit) the
 run eagerly: :func:`refuse_eager_fallback` refuses such a frame before it runs (the scope calls it
 from Dynamo's compile), when it reaches a module whose parameters are watched; a frame Dynamo
 gives up on while compiling it (a graph break it cannot resume from) has its trainable
-parameters watched (:func:`watch_skipped_frame`), so an eager gradient raises. Gradients computed inside a compiled graph never trigger the hook (no AccumulateGrad
-runs), so it costs nothing in whole-step mode. :func:`watch` gives each parameter a post-accumulate-grad hook whose state (how
-many reduced gradients are pending, whether any was reduced since the last optimizer step)
-lives in the hook object itself, found again through the parameter's hook dict: no process-wide
-table. A compiled backward graph that reduced a parameter's gradient calls
+parameters watched (:func:`watch_skipped_frame`), so an eager gradient raises. Gradients
+computed inside a compiled graph never trigger the hook (no AccumulateGrad runs), so it costs
+nothing in whole-step mode. :func:`watch` gives each parameter a post-accumulate-grad hook whose
+state (how many reduced gradients are pending, whether any was reduced since the last optimizer
+step) lives in the hook object itself, found again through the parameter's hook dict: no
+process-wide table. A compiled backward graph that reduced a parameter's gradient calls
 :func:`mark_reduced` (a whole-step graph that stops before the optimizer step:
 :func:`mark_reduced_in_graph`); a gradient accumulated without a pending reduction raises
 :class:`~spmd_backend.errors.SpmdUsageError` during ``backward()``, and

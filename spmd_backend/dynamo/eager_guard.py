@@ -18,9 +18,10 @@ after 5 Adam steps). :func:`install` now wraps ``torch._dynamo.optimize`` (for t
 Dynamo's per-frame skip (for the second) and its choice of callback under a stance (for the
 third), all pass-through for other backends. The stances that run some calls eagerly to save
 compiles are not applied to this backend's frames (they compile as by default; warned once);
-any other such call raises :class:`~spmd_backend.errors.SpmdUsageError` before anything of it runs when the data-
-parallel group has more than one rank and the frame reaches a trainable parameter with gradients
-enabled (an evaluation under ``no_grad`` and a one-rank run go on eagerly, which is exact there).
+any other such call raises :class:`~spmd_backend.errors.SpmdUsageError` before anything of it
+runs when the data-parallel group has more than one rank and the frame reaches a trainable
+parameter with gradients enabled (an evaluation under ``no_grad`` and a one-rank run go on
+eagerly, which is exact there).
 A module given to a disabled ``torch.compile`` is returned as is, so it is checked when it is
 decorated (refused, or a warning before the process group exists).
 
@@ -218,8 +219,9 @@ def _wrap_callback_from_stance(original: Callable[..., Any], ours: Callable[[Any
 
 def install(ours: Callable[[Any], bool], options_of: Callable[[Any], dict[str, Any] | None],
             values_of: Callable[[Any], list[Any]]) -> None:
-    """Wrap ``torch._dynamo.optimize`` and Dynamo's per-frame skip (once). ``ours`` tells a
-    backend of this package, ``options_of`` its ``options``, ``values_of`` what a frame reaches."""
+    """Wrap ``torch._dynamo.optimize``, Dynamo's per-frame skip and its choice of callback
+    under a stance (once). ``ours`` tells a backend of this package, ``options_of`` its
+    ``options``, ``values_of`` what a frame reaches."""
     import torch._dynamo
     import torch._dynamo.convert_frame as convert_frame
 
