@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from spmd_backend.testing import OptimSpec, ParityCase, check_ddp_parity
+from spmd_backend.testing.steps import train_step
 
 pytestmark = pytest.mark.multirank
 
@@ -165,14 +166,6 @@ def _tensor_lr_job(rank: int, world: int) -> None:
     assert counters["spmd"]["whole_step_graphs"] == 2, dict(counters["spmd"])  # + ragged batch
 
 
-def _square_loss_step(model, optim, batch):
-    loss = model(batch).pow(2).mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
-
-
 def _float_lr_job(rank: int, world: int) -> tuple[str, list[str]]:
     """A float lr changed every step: Dynamo recompiles each time and, past its recompile limit,
     would run the step eagerly, unsynchronized. Until 2026-11-26 the gradient audit raised in
@@ -185,7 +178,7 @@ def _float_lr_job(rank: int, world: int) -> tuple[str, list[str]]:
     model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
-    compiled = torch.compile(_square_loss_step, backend="spmd", options=FAST)
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
     with torch._dynamo.config.patch(recompile_limit=2):
         for i in range(5):
             opt.param_groups[0]["lr"] = 0.1 / (i + 1)
@@ -313,14 +306,14 @@ def _fallback_job(rank: int, world: int, eager: bool) -> str:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
 
-    compiled = torch.compile(_square_loss_step, backend="spmd", options=FAST)
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
     gen = torch.Generator().manual_seed(rank)
     before = [p.detach().clone() for p in model.parameters()]
     try:
         for _ in range(3):
             x = torch.randn(4, 8, generator=gen)
             compiled(model, opt, x)
-            _square_loss_step(ddp, ref_opt, x)
+            train_step(ddp, ref_opt, x)
     except spmd_backend.SpmdUsageError as e:
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         return str(e)
@@ -415,7 +408,7 @@ def test_a_refusal_under_suppress_errors_is_not_an_unsynchronized_eager_step(fak
     model[0].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    compiled = torch.compile(_square_loss_step, backend="spmd", options=FAST)
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
     with torch._dynamo.config.patch(suppress_errors=True):
         with pytest.raises(spmd_backend.SpmdUsageError, match="runs it eagerly: SpmdUsageError: .* has a gradient hook"):
             compiled(model, opt, torch.randn(4, 8))

@@ -14,16 +14,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import spmd_backend
 from spmd_backend.testing import fake_process_group
+from spmd_backend.testing.steps import train_step
 
 FAST = {"inductor": False}
-
-
-def _step(model, optim, batch):
-    loss = model(batch).pow(2).mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def _model_and_optimizer():
@@ -46,8 +39,8 @@ def test_a_step_compiled_with_dynamo_disabled_is_refused(fake_pg, monkeypatch, h
     model, opt = _model_and_optimizer()
     if how == "environment":
         monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    compiled = torch.compile(_step, backend="spmd", options=FAST, disable=how == "argument")
-    _refused(compiled, model, opt, r"the step '_step' would run eagerly \(torch.compile\(disable=True\)")
+    compiled = torch.compile(train_step, backend="spmd", options=FAST, disable=how == "argument")
+    _refused(compiled, model, opt, r"the step 'train_step' would run eagerly \(torch.compile\(disable=True\)")
 
 
 def test_a_module_compiled_with_dynamo_disabled_is_refused_when_decorated(fake_pg):
@@ -59,7 +52,7 @@ def test_a_module_compiled_with_dynamo_disabled_is_refused_when_decorated(fake_p
 def test_a_step_called_with_dynamo_disabled_is_refused(fake_pg):
     torch._dynamo.reset()
     model, opt = _model_and_optimizer()
-    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
     with torch._dynamo.config.patch(disable=True):
         _refused(compiled, model, opt, r"would run eagerly \(torch._dynamo.config.disable is set\)")
 
@@ -67,7 +60,7 @@ def test_a_step_called_with_dynamo_disabled_is_refused(fake_pg):
 def test_a_step_called_under_a_dispatch_mode_is_refused(fake_pg):
     torch._dynamo.reset()
     model, opt = _model_and_optimizer()
-    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
     compiled(model, opt, torch.randn(4, 8))  # compiled; the mode makes Dynamo skip the frame
     with FlopCounterMode(display=False):
         _refused(compiled, model, opt, "a torch dispatch mode is active")
@@ -81,7 +74,7 @@ def test_an_evaluation_under_no_grad_and_a_one_rank_step_run_eagerly():
         with torch.no_grad():
             evaluate(model, torch.randn(4, 8))
     with fake_process_group(world_size=1):
-        compiled = torch.compile(_step, backend="spmd", options=FAST, disable=True)
+        compiled = torch.compile(train_step, backend="spmd", options=FAST, disable=True)
         before = [p.detach().clone() for p in model.parameters()]
         compiled(model, opt, torch.randn(4, 8))
         assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
@@ -90,13 +83,13 @@ def test_an_evaluation_under_no_grad_and_a_one_rank_step_run_eagerly():
 def test_other_backends_are_untouched(fake_pg):
     model, opt = _model_and_optimizer()
     assert torch.compile(model, backend="eager", disable=True) is model
-    torch.compile(_step, backend="eager", disable=True)(model, opt, torch.randn(4, 8))
+    torch.compile(train_step, backend="eager", disable=True)(model, opt, torch.randn(4, 8))
 
 
 def test_a_step_called_under_the_force_eager_stance_is_refused(fake_pg):
     torch._dynamo.reset()
     model, opt = _model_and_optimizer()
-    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
     with torch.compiler.set_stance("force_eager"):
         _refused(compiled, model, opt, r'set_stance\("force_eager"\)')
         with torch.no_grad():  # an evaluation runs eagerly, as the stance says
@@ -112,7 +105,7 @@ def test_stances_that_run_calls_eagerly_compile_spmd_steps(fake_pg, stance):
     torch._dynamo.reset()
     counters.clear()
     model, opt = _model_and_optimizer()
-    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
     with torch.compiler.set_stance(stance), pytest.warns(UserWarning, match=rf'"{stance}"\) is not applied'):
         compiled(model, opt, torch.randn(4, 8))
     assert counters["spmd"]["whole_step_graphs"] == 1, dict(counters["spmd"])
