@@ -10,8 +10,13 @@ calling the backend, computes each rank's gradients alone. Dynamo does so silent
 * a compile stance says so (``torch.compiler.set_stance``): ``force_eager`` runs every call
   eagerly, ``eager_then_compile``/``aot_eager_then_compile`` the first, ``eager_on_recompile``
   every call that would recompile;
-* it gives up on a frame while compiling it: handled by the scope's ``_compile`` wrapper, which
-  has the audit watch the frame's parameters (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`).
+* it gives up on a frame while compiling it (a graph break it cannot resume from, its recompile
+  limit, any error under ``torch._dynamo.config.suppress_errors``): the wrapper of ``_compile``
+  refuses a frame at the recompile limit that reaches watched parameters before it runs
+  (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`), and otherwise has the gradient
+  audit watch the trainable parameters the frame reaches
+  (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`), so an eager gradient raises in
+  ``backward()`` (before 2026-11-26: unsynchronized, silently, when no graph had seen them).
 
 Until 2026-11-26 the first three trained each rank on its own data with no error (0.08 off DDP
 after 5 Adam steps). :func:`install` now wraps ``torch._dynamo.optimize`` (for the first),
@@ -27,18 +32,21 @@ decorated (refused, or a warning before the process group exists).
 
 Requires torch 2.13 internals: ``torch._dynamo.optimize`` returning ``_NullDecorator`` when
 disabled, ``CatchErrorsWrapper._handle_skip`` with the skip reasons of ``convert_frame``,
-``eval_frame._callback_from_stance`` (looked up by name at each call).
+``eval_frame._callback_from_stance`` (looked up by name at each call), ``convert_frame._compile``
+and its arguments.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from spmd_backend.dynamo import audit, frame
 from spmd_backend.errors import SpmdError, SpmdUsageError
 
 #: the reasons Dynamo gives in ``CatchErrorsWrapper`` for skipping a frame it was asked to compile
@@ -144,24 +152,79 @@ def _wrap_optimize(original: Callable[..., Any], ours: Callable[[Any], bool],
 
 
 def _wrap_handle_skip(original: Callable[..., Any], ours: Callable[[Any], bool],
-                      options_of: Callable[[Any], dict[str, Any] | None],
-                      values_of: Callable[[Any], list[Any]]) -> Callable[..., Any]:
+                      options_of: Callable[[Any], dict[str, Any] | None]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def _handle_skip(self: Any, result: Any, frame: Any) -> Any:
+    def _handle_skip(self: Any, result: Any, dynamo_frame: Any) -> Any:
         reason = getattr(result, "skip_reason", None)
         why = next((w for r, w in _REFUSED_SKIPS.items() if reason and reason.startswith(r)), None)
         backend = getattr(self, "_torchdynamo_orig_backend", None)
         if why is not None and backend is not None and ours(backend):
-            parameter = trained_parameter(values_of(frame))
+            parameter = trained_parameter(_values_of(dynamo_frame))
             if parameter is not None:
                 world = group_size(options_of(backend))
                 if world > 1:
-                    code = frame.f_code
+                    code = dynamo_frame.f_code
                     raise _error(f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
                                  why, world, parameter)
-        return original(self, result, frame)
+        return original(self, result, dynamo_frame)
 
     return _handle_skip
+
+
+def _runs_eagerly_after(error: Exception, arguments: dict[str, Any]) -> bool:
+    """Whether Dynamo answers ``error``, raised by its ``_compile`` (called with ``arguments``),
+    by running the frame eagerly instead of raising it: a graph break it cannot resume from
+    (``Unsupported``, ``UserError``), or any error under ``torch._dynamo.config.suppress_errors``
+    (a refusal of this backend included); never with ``fullgraph=True``."""
+    from torch._dynamo import exc
+
+    box = arguments.get("convert_frame_box")
+    if arguments.get("one_graph") or getattr(box, "error_on_graph_break", False):
+        return False
+    if isinstance(error, (exc.UncapturedHigherOrderOpError, exc.ResumePrologueTracingError)):
+        return False
+    return isinstance(error, (exc.Unsupported, exc.UserError)) or bool(torch._dynamo.config.suppress_errors)
+
+
+def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any], bool]) -> Callable[..., Any]:
+    """Wrap Dynamo's ``_compile`` so that a frame compiled for this backend that reached
+    Dynamo's recompile limit, and would therefore run eagerly, is refused before it runs when
+    it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`); when
+    Dynamo gives up on such a frame while compiling it (a soft failure it answers by running the
+    frame eagerly), the trainable parameters the frame reaches are watched by the gradient audit
+    (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`)."""
+    import torch._dynamo.convert_frame as convert_frame
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _compile(*args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo import exc
+
+        a = signature.bind(*args, **kwargs).arguments
+        compiler_fn = a.get("compiler_fn")
+        if compiler_fn is None or not ours(compiler_fn):
+            return original(*args, **kwargs)
+        values = frame.frame_values(a["code"], a["locals"], a["globals"], a["closure"])
+        exceeded, limit = convert_frame.exceeds_recompile_limit(a["cache_size"], a["compile_id"])
+        if exceeded:
+            refused = audit.refuse_eager_fallback(
+                values, a["code"], limit, getattr(torch._dynamo.config, limit, "?"))
+            if refused is not None:
+                raise refused
+        try:
+            return original(*args, **kwargs)
+        except Exception as e:
+            if _runs_eagerly_after(e, a):
+                root = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed: ours
+                first = next((line.strip() for line in str(root).splitlines() if line.strip()), "")
+                reason = f"{type(root).__name__}: {first[:300]}"
+                if not isinstance(e, (exc.Unsupported, exc.UserError)):
+                    reason += " (an error torch._dynamo.config.suppress_errors turns into an eager run)"
+                audit.watch_skipped_frame(values, a["code"], reason)
+            raise
+
+    return _compile
 
 
 #: the compile stances (``torch.compiler.set_stance``) that run a frame eagerly although it
@@ -170,8 +233,7 @@ _EAGER_STANCES = ("eager_then_compile", "aot_eager_then_compile", "eager_on_reco
 
 
 def _wrap_callback_from_stance(original: Callable[..., Any], ours: Callable[[Any], bool],
-                               options_of: Callable[[Any], dict[str, Any] | None],
-                               values_of: Callable[[Any], list[Any]]) -> Callable[..., Any]:
+                               options_of: Callable[[Any], dict[str, Any] | None]) -> Callable[..., Any]:
     """Dynamo's choice of the frame callback under the compile stance, for this backend's
     callback: ``force_eager`` gets a callback that refuses a frame reaching a trainable
     parameter on more than one rank (else runs it and its callees eagerly, as the stance
@@ -199,12 +261,12 @@ def _wrap_callback_from_stance(original: Callable[..., Any], ours: Callable[[Any
             return original(callback)
         options = options_of(callback)
 
-        def refuse_or_run_eagerly(frame: Any, cache_entry: Any, frame_state: Any) -> Any:
-            parameter = trained_parameter(values_of(frame))
+        def refuse_or_run_eagerly(dynamo_frame: Any, cache_entry: Any, frame_state: Any) -> Any:
+            parameter = trained_parameter(_values_of(dynamo_frame))
             if parameter is not None:
                 world = group_size(options)
                 if world > 1:
-                    code = frame.f_code
+                    code = dynamo_frame.f_code
                     raise _error(f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
                                  ('torch.compiler.set_stance("force_eager")',
                                   "use the default stance for the step"), world, parameter)
@@ -217,13 +279,21 @@ def _wrap_callback_from_stance(original: Callable[..., Any], ours: Callable[[Any
     return _callback_from_stance
 
 
-def install(ours: Callable[[Any], bool], options_of: Callable[[Any], dict[str, Any] | None],
-            values_of: Callable[[Any], list[Any]]) -> None:
-    """Wrap ``torch._dynamo.optimize``, Dynamo's per-frame skip and its choice of callback
-    under a stance (once). ``ours`` tells a backend of this package, ``options_of`` its
-    ``options``, ``values_of`` what a frame reaches."""
+def _values_of(f: Any) -> list[Any]:
+    """What a Dynamo frame object reaches (:func:`spmd_backend.dynamo.frame.frame_values`)."""
+    return frame.frame_values(f.f_code, f.f_locals, f.f_globals, f.closure)
+
+
+def install(ours: Callable[[Any], bool], options_of: Callable[[Any], dict[str, Any] | None]) -> None:
+    """Wrap ``torch._dynamo.optimize``, Dynamo's ``_compile``, its per-frame skip and its choice
+    of callback under a stance (once). ``ours`` tells a backend of this package, ``options_of``
+    its ``options``."""
     import torch._dynamo
     import torch._dynamo.convert_frame as convert_frame
+
+    if not getattr(convert_frame._compile, "_spmd_eager_guard", False):
+        convert_frame._compile = _refusing_eager_fallback(convert_frame._compile, ours)
+        convert_frame._compile._spmd_eager_guard = True  # type: ignore[attr-defined]
 
     if not getattr(torch._dynamo.optimize, "_spmd_eager_guard", False):
         torch._dynamo.optimize = _wrap_optimize(torch._dynamo.optimize, ours, options_of)
@@ -232,11 +302,11 @@ def install(ours: Callable[[Any], bool], options_of: Callable[[Any], dict[str, A
 
     if not getattr(eval_frame._callback_from_stance, "_spmd_eager_guard", False):
         eval_frame._callback_from_stance = _wrap_callback_from_stance(
-            eval_frame._callback_from_stance, ours, options_of, values_of)
+            eval_frame._callback_from_stance, ours, options_of)
         eval_frame._callback_from_stance._spmd_eager_guard = True  # type: ignore[attr-defined]
     wrapper = convert_frame.CatchErrorsWrapper
     if not getattr(wrapper._handle_skip, "_spmd_eager_guard", False):
-        wrapper._handle_skip = _wrap_handle_skip(wrapper._handle_skip, ours, options_of, values_of)  # type: ignore[method-assign]
+        wrapper._handle_skip = _wrap_handle_skip(wrapper._handle_skip, ours, options_of)  # type: ignore[method-assign]
         wrapper._handle_skip._spmd_eager_guard = True  # type: ignore[attr-defined]
 
 

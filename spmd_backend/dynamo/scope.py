@@ -46,12 +46,9 @@ only when the frame's backend is marked by :func:`mark_whole_step`. Dynamo holds
 lock there, so no other frame is traced meanwhile, and every patched method and config is
 restored when the frame is done: a stock ``torch.compile(fn)`` or ``backend="eager"`` in the
 same process behaves exactly as without this package (tests/test_dynamo_capture.py).
-It also wraps Dynamo's ``_compile`` (pass-through for other backends): a frame of this backend
-that reached Dynamo's recompile limit, which Dynamo would run eagerly, is refused before it runs
-when it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`), and
-a frame Dynamo gives up on while compiling has the parameters it reaches watched by the gradient
-audit (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`). On another torch version nothing
-is installed and the backend runs in per-graph mode.
+It also installs :mod:`spmd_backend.dynamo.eager_guard`, which keeps Dynamo from running a frame
+of this backend eagerly, unsynchronized, without an error. On another torch version nothing is
+installed and the backend runs in per-graph mode.
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ from typing import Any
 
 import torch
 
-from spmd_backend.dynamo import audit, eager_guard, faults, frame, fresh_state, sharded_update
+from spmd_backend.dynamo import eager_guard, faults, frame, fresh_state, sharded_update
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.sharding import ShardSpec
 
@@ -379,62 +376,6 @@ def raise_refusal() -> None:
         raise _sharding.refused
 
 
-def _runs_eagerly_after(error: Exception, arguments: dict[str, Any]) -> bool:
-    """Whether Dynamo answers ``error``, raised by its ``_compile`` (called with ``arguments``),
-    by running the frame eagerly instead of raising it: a graph break it cannot resume from
-    (``Unsupported``, ``UserError``), or any error under ``torch._dynamo.config.suppress_errors``
-    (a refusal of this backend included); never with ``fullgraph=True``."""
-    from torch._dynamo import exc
-
-    box = arguments.get("convert_frame_box")
-    if arguments.get("one_graph") or getattr(box, "error_on_graph_break", False):
-        return False
-    if isinstance(error, (exc.UncapturedHigherOrderOpError, exc.ResumePrologueTracingError)):
-        return False
-    return isinstance(error, (exc.Unsupported, exc.UserError)) or bool(torch._dynamo.config.suppress_errors)
-
-
-def _refusing_eager_fallback(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap Dynamo's ``_compile`` so that a frame compiled for this backend that reached
-    Dynamo's recompile limit, and would therefore run eagerly, is refused before it runs when
-    it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`); when
-    Dynamo gives up on such a frame while compiling it (a soft failure it answers by running the
-    frame eagerly), the trainable parameters the frame reaches are watched by the gradient audit
-    (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`)."""
-    import torch._dynamo.convert_frame as convert_frame
-
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def _compile(*args: Any, **kwargs: Any) -> Any:
-        from torch._dynamo import exc
-
-        a = signature.bind(*args, **kwargs).arguments
-        compiler_fn = a.get("compiler_fn")
-        if compiler_fn is None or not _is_whole_step_backend(compiler_fn):
-            return original(*args, **kwargs)
-        values = frame.frame_values(a["code"], a["locals"], a["globals"], a["closure"])
-        exceeded, limit = convert_frame.exceeds_recompile_limit(a["cache_size"], a["compile_id"])
-        if exceeded:
-            refused = audit.refuse_eager_fallback(
-                values, a["code"], limit, getattr(torch._dynamo.config, limit, "?"))
-            if refused is not None:
-                raise refused
-        try:
-            return original(*args, **kwargs)
-        except Exception as e:
-            if _runs_eagerly_after(e, a):
-                root = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed: ours
-                first = next((line.strip() for line in str(root).splitlines() if line.strip()), "")
-                reason = f"{type(root).__name__}: {first[:300]}"
-                if not isinstance(e, (exc.Unsupported, exc.UserError)):
-                    reason += " (an error torch._dynamo.config.suppress_errors turns into an eager run)"
-                audit.watch_skipped_frame(values, a["code"], reason)
-            raise
-
-    return _compile
-
-
 def install() -> bool:
     """Install the pass-through frame hook once; False (nothing installed) off torch 2.13."""
     if not SUPPORTED:
@@ -474,8 +415,6 @@ def install() -> bool:
                 _sharding = outer
 
     convert_frame.compile_frame = compile_frame
-    convert_frame._compile = _refusing_eager_fallback(convert_frame._compile)
-    eager_guard.install(_is_whole_step_backend, _backend_options,
-                        lambda f: frame.frame_values(f.f_code, f.f_locals, f.f_globals, f.closure))
+    eager_guard.install(_is_whole_step_backend, _backend_options)
     _state["installed"] = True
     return True
