@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from spmd_backend.dynamo.frame import trainable_parameters
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.key import GLOBAL_MODULE_HOOKS, global_module_hooks
 
@@ -91,22 +92,12 @@ def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int
     where = f"{name} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
     note = f"Dynamo could not compile {where} and runs it eagerly: {reason}"
     count = 0
-    for v in values:
-        if isinstance(v, torch.nn.Module):
-            named = list(v.named_parameters())
-        elif isinstance(v, torch.optim.Optimizer):
-            named = [(f"param_groups.{g}.params.{i}", p)
-                     for g, group in enumerate(v.param_groups) for i, p in enumerate(group["params"])]
-        else:
-            continue
-        for fqn, p in named:
-            if not p.requires_grad:
-                continue
-            watch(p, fqn)
-            audit = _audit_of(p)
-            if audit is not None:
-                audit.skipped = note
-                count += 1
+    for _, fqn, p in trainable_parameters(values):
+        watch(p, fqn)
+        audit = _audit_of(p)
+        if audit is not None:
+            audit.skipped = note
+            count += 1
     return count
 
 

@@ -82,17 +82,14 @@ def group_size(options: dict[str, Any] | None) -> int:
 
 def trained_parameter(values: Iterable[object]) -> str | None:
     """The name of a parameter that requires grad among the modules and optimizers in
-    ``values``, when gradients are enabled; else None."""
+    ``values`` (:func:`spmd_backend.dynamo.frame.trainable_parameters`), when gradients are
+    enabled; else None."""
     if not torch.is_grad_enabled():
         return None
-    for v in values:
-        if isinstance(v, torch.nn.Module):
-            name = next((n for n, p in v.named_parameters() if p.requires_grad), None)
-            if name is not None:
-                return f"{type(v).__name__}.{name}" if name else type(v).__name__
-        elif isinstance(v, torch.optim.Optimizer):
-            if any(p.requires_grad for g in v.param_groups for p in g["params"]):
-                return f"a parameter of {type(v).__name__}"
+    for owner, name, _ in frame.trainable_parameters(values):
+        if isinstance(owner, torch.optim.Optimizer):
+            return f"a parameter of {type(owner).__name__}"
+        return f"{type(owner).__name__}.{name}" if name else type(owner).__name__
     return None
 
 

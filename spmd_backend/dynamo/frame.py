@@ -10,7 +10,7 @@ several modules is named by the first.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +32,20 @@ def frame_values(code: Any, frame_locals: Any, frame_globals: Any, closure: Any)
     names = getattr(code, "co_names", ())
     values.extend(frame_globals[n] for n in names if isinstance(frame_globals, dict) and n in frame_globals)
     return values
+
+
+def trainable_parameters(values: Iterable[Any]) -> Iterator[tuple[Any, str, torch.Tensor]]:
+    """``(owner, name, parameter)`` for every parameter that requires grad of the modules (named
+    by FQN) and optimizers (``param_groups.g.params.i``) among ``values``."""
+    for v in values:
+        if isinstance(v, torch.nn.Module):
+            named = list(v.named_parameters())
+        elif isinstance(v, torch.optim.Optimizer):
+            named = [(f"param_groups.{g}.params.{i}", p)
+                     for g, group in enumerate(v.param_groups) for i, p in enumerate(group["params"])]
+        else:
+            continue
+        yield from ((v, n, p) for n, p in named if p.requires_grad)
 
 
 def refuse_ddp_wrapper(values: list[Any]) -> Exception | None:
