@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_transformer.py
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -ra --durations=25 -n 2 --dist loadgroup
+	$(PYTHON) -m pytest -q -ra --durations=25 -n 2 --dist load
 
 bench: $(STAMP)
 	$(PYTHON) tools/bench.py

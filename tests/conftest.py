@@ -1,8 +1,8 @@
-"""Shared fixtures: one Inductor cache for the whole suite, a fake process group, a rank pool."""
+"""Shared fixtures: one Inductor cache for the whole suite, a fake process group, a rank pool
+(two persistent gloo ranks per pytest process, which the seeds' ``@with_comms`` tests share)."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import pathlib
 
@@ -19,7 +19,11 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from spmd_backend.testing import DTensorTestBase, RankPool, fake_process_group  # noqa: E402
+from spmd_backend.testing import (  # noqa: E402
+    RankPool,
+    fake_process_group,
+    multirank,
+)
 
 #: seconds one multi-rank job may take before its workers are killed
 RANK_JOB_TIMEOUT = float(os.environ.get("SPMD_TEST_RANK_TIMEOUT", "180"))
@@ -32,19 +36,12 @@ def fake_pg():
         yield pg
 
 
-@pytest.fixture(scope="session")
-def _pool_holder():
-    holder: dict[str, RankPool | None] = {"pool": None}
-    yield holder
-    pool = holder["pool"]
-    if pool is not None:
-        pool.close()
+#: this pytest process's persistent ranks (one pool, recreated after a failed or timed-out job)
+_POOL: dict[str, RankPool | None] = {"pool": None}
 
 
-@pytest.fixture
-def rank_pool(_pool_holder) -> RankPool:
-    """Two persistent gloo ranks on loopback, recreated after a failed or timed-out job."""
-    pool = _pool_holder["pool"]
+def _shared_pool() -> RankPool:
+    pool = _POOL["pool"]
     if pool is None or not pool.alive:
         pool = RankPool(
             2,
@@ -52,8 +49,31 @@ def rank_pool(_pool_holder) -> RankPool:
             failure_grace=5.0,
             env={"TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]},
         )
-        _pool_holder["pool"] = pool
+        _POOL["pool"] = pool
     return pool
+
+
+def _seed_ranks(world_size: int, backend: str) -> RankPool | None:
+    """The seeds' ``@with_comms`` methods run as jobs of the same two ranks (spawning two
+    processes per method cost each seed test about 12 s of CPU importing torch)."""
+    return _shared_pool() if (world_size, backend) == (2, "gloo") else None
+
+
+def pytest_configure(config):
+    multirank.use_rank_pool(_seed_ranks)
+
+
+def pytest_unconfigure(config):
+    multirank.use_rank_pool(None)
+    pool = _POOL["pool"]
+    if pool is not None:
+        pool.close()
+
+
+@pytest.fixture
+def rank_pool() -> RankPool:
+    """Two persistent gloo ranks on loopback, recreated after a failed or timed-out job."""
+    return _shared_pool()
 
 
 @pytest.fixture(autouse=True)
@@ -76,38 +96,9 @@ _SLOW_SEED_CASES = {
 
 def pytest_collection_modifyitems(config, items):
     _mark_seed_conflicts(items)
-    _group_rank_jobs(items)
     for item in items:
         if item.name in _SLOW_SEED_CASES or "test_seed_transformation" in item.nodeid and "inductor" in item.name:
             item.add_marker(pytest.mark.slow)
-
-
-#: what a test's source calls when it starts rank processes without the rank_pool fixture
-_STARTS_RANKS = ("RankPool(", "run_on_ranks(", "torchrun")
-
-
-def _starts_ranks(item) -> bool:
-    """Whether a test starts rank processes: the rank pool, a RankPool of its own,
-    ``run_on_ranks``, torchrun, or a seed's ``DTensorTestBase`` (``@with_comms`` spawns)."""
-    if "rank_pool" in getattr(item, "fixturenames", ()):
-        return True
-    cls = getattr(item, "cls", None)
-    if cls is not None:
-        return issubclass(cls, DTensorTestBase)
-    try:
-        source = inspect.getsource(item.function)
-    except (OSError, TypeError, AttributeError):
-        return False
-    return any(call in source for call in _STARTS_RANKS)
-
-
-def _group_rank_jobs(items):
-    """``make test`` runs two pytest-xdist workers (``--dist loadgroup``): every test that starts
-    ranks joins one group, which runs on one worker, one test at a time, so at most two rank
-    processes run at once (two cores), beside one single-process test on the other worker."""
-    for item in items:
-        if _starts_ranks(item):
-            item.add_marker(pytest.mark.xdist_group("ranks"))
 
 
 def _mark_seed_conflicts(items):

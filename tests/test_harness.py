@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import pytest
 import torch
 
 import spmd_backend
-from spmd_backend.testing import RankPool, RankTimeoutError, run_on_ranks
+from spmd_backend.testing import (
+    DTensorTestBase,
+    RankPool,
+    RankTimeoutError,
+    multirank,
+    run_on_ranks,
+    with_comms,
+)
 
 pytestmark = pytest.mark.multirank
 
@@ -122,3 +131,43 @@ def _bad_input_on_every_rank(rank: int, world_size: int) -> str:
 def test_bad_input_fails_on_every_rank_without_hanging(rank_pool):
     messages = rank_pool.run(_bad_input_on_every_rank, timeout=60)
     assert all("loss.backward() was never called" in m for m in messages), messages
+
+
+class RecordsItsRanks(DTensorTestBase):
+    """A seed-style test class; its method writes which process ran each rank."""
+
+    __test__ = False  # run only by the test below
+
+    @with_comms
+    def test_record(self) -> None:
+        import os
+
+        path = os.path.join(tempfile.gettempdir(), f"spmd_with_comms_{os.getppid()}_{self.rank}")
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+
+
+def _with_comms_pids() -> list[int]:
+    pids = []
+    for rank in range(2):
+        path = os.path.join(tempfile.gettempdir(), f"spmd_with_comms_{os.getpid()}_{rank}")
+        with open(path) as f:
+            pids.append(int(f.read()))
+        os.remove(path)
+    return pids
+
+
+def test_with_comms_runs_on_the_pool_it_is_given():
+    pool = RankPool(2, timeout=60)
+    suite_provider = multirank.use_rank_pool(lambda world_size, backend: pool)
+    try:
+        RecordsItsRanks("test_record").test_record()
+        assert _with_comms_pids() == [p.pid for p in pool._procs]
+        multirank.use_rank_pool(lambda world_size, backend: None)  # spawn fresh ranks
+        RecordsItsRanks("test_record").test_record()
+        fresh = _with_comms_pids()
+        assert not set(fresh) & {p.pid for p in pool._procs}
+        assert pool.alive
+    finally:
+        multirank.use_rank_pool(suite_provider)
+        pool.close()

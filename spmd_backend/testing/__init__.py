@@ -11,6 +11,7 @@ __all__ = [
     "DTensorTestBase",
     "skip_if_lt_x_gpu",
     "with_comms",
+    "use_rank_pool",
     "fake_process_group",
     "OptimSpec",
     "ParityCase",
@@ -23,7 +24,7 @@ __all__ = [
 ]
 
 
-_MULTIRANK = ("DTensorTestBase", "skip_if_lt_x_gpu", "with_comms")
+_MULTIRANK = ("DTensorTestBase", "skip_if_lt_x_gpu", "with_comms", "use_rank_pool")
 
 
 def __getattr__(name: str) -> object:

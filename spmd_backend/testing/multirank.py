@@ -7,6 +7,10 @@
 CPU, NCCL on GPU, loopback, per-test timeout) through :func:`spmd_backend.testing.run_on_ranks`;
 inside a rank it runs the body with the process group initialized. A failure on any rank fails
 the test with that rank's exception. Test classes must live in an importable module.
+
+A test suite that keeps persistent ranks (a :class:`~spmd_backend.testing.RankPool`) can hand
+them to these tests with :func:`use_rank_pool`: a method then runs as one job of that pool
+instead of on two freshly spawned processes (each spends seconds importing torch).
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from typing import Any
 import torch
 from torch.testing._internal.common_utils import TestCase
 
-from spmd_backend.testing.ranks import run_on_ranks
+from spmd_backend.testing.ranks import RankPool, run_on_ranks
 
 _IN_RANK = False
+#: ``(world_size, backend) -> RankPool | None``: persistent ranks for ``@with_comms``, if any
+PoolProvider = Callable[[int, str], "RankPool | None"]
+_POOL_PROVIDER: PoolProvider | None = None
 #: seconds a multi-rank test method may take
 TEST_TIMEOUT_S = float(os.environ.get("SPMD_TEST_RANK_TIMEOUT", "600"))
 
@@ -60,6 +67,17 @@ def _run_method(rank: int, world_size: int, module: str, cls_name: str, method: 
     getattr(test, method)()
 
 
+def use_rank_pool(provider: PoolProvider | None) -> PoolProvider | None:
+    """Run ``@with_comms`` methods as jobs of persistent ranks: ``provider(world_size,
+    backend)`` returns a live :class:`RankPool` of that size and backend, or ``None`` to spawn
+    fresh processes for that method (the default; ``use_rank_pool(None)`` restores it). The
+    pool's workers must have the test class's module importable. Returns the provider it
+    replaces."""
+    global _POOL_PROVIDER
+    previous, _POOL_PROVIDER = _POOL_PROVIDER, provider
+    return previous
+
+
 def with_comms(func: Callable[..., Any]) -> Callable[..., Any]:
     """Run the decorated test method on ``self.world_size`` ranks."""
 
@@ -67,15 +85,15 @@ def with_comms(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: DTensorTestBase, *args: Any, **kwargs: Any) -> Any:
         if _IN_RANK:
             return func(self, *args, **kwargs)
-        run_on_ranks(
-            _run_method,
-            type(self).__module__,
-            type(self).__qualname__,
-            self._testMethodName,
-            world_size=self.world_size,
-            timeout=TEST_TIMEOUT_S,
-            backend=self.backend,
-        )
+        where = (type(self).__module__, type(self).__qualname__, self._testMethodName)
+        pool = _POOL_PROVIDER(self.world_size, self.backend) if _POOL_PROVIDER else None
+        if pool is not None:
+            pool.run(_run_method, *where, timeout=TEST_TIMEOUT_S)
+        else:
+            run_on_ranks(
+                _run_method, *where,
+                world_size=self.world_size, timeout=TEST_TIMEOUT_S, backend=self.backend,
+            )
         return None
 
     return wrapper
