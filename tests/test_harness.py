@@ -157,17 +157,15 @@ def _with_comms_pids() -> list[int]:
     return pids
 
 
-def test_with_comms_runs_on_the_pool_it_is_given():
-    pool = RankPool(2, timeout=60)
-    suite_provider = multirank.use_rank_pool(lambda world_size, backend: pool)
+def test_with_comms_runs_on_the_pool_it_is_given(rank_pool):
+    suite_provider = multirank.use_rank_pool(lambda world_size, backend: rank_pool)
     try:
         RecordsItsRanks("test_record").test_record()
-        assert _with_comms_pids() == [p.pid for p in pool._procs]
+        assert _with_comms_pids() == [p.pid for p in rank_pool._procs]
         multirank.use_rank_pool(lambda world_size, backend: None)  # spawn fresh ranks
         RecordsItsRanks("test_record").test_record()
         fresh = _with_comms_pids()
-        assert not set(fresh) & {p.pid for p in pool._procs}
-        assert pool.alive
+        assert not set(fresh) & {p.pid for p in rank_pool._procs}
+        assert rank_pool.alive
     finally:
         multirank.use_rank_pool(suite_provider)
-        pool.close()
