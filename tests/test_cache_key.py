@@ -34,6 +34,10 @@ class DropNorm(nn.Module):
     def forward(self, x):
         return self.fc2(self.bn(self.drop(self.fc1(x)))) * self.scale
 
+#: what a retrace names after a Python number argument changed
+NUMBER_HINT = (" (a Python number is a constant of the graph: pass one that changes from call to "
+               "call as a tensor, e.g. torch.tensor(x), and it is an input instead)")
+
 
 def retrace_messages(caplog):
     return [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
@@ -263,8 +267,13 @@ def test_read_batch_entries_retrace_and_are_named(fake_pg, caplog):
     assert compiled.trace_count == 2
     assert retrace_messages(caplog) == [
         "spmd_backend: retracing dict_step: argument args[2]['weight'] (read by the step) "
-        "changed from 1.0 to 0.5"
+        "changed from 1.0 to 0.5" + NUMBER_HINT
     ]
+    # what the hint says: as a tensor, the weight is an input (one graph for every value)
+    for weight in (1.0, 0.5, 0.25):
+        batch = {"x": torch.randn(4, 8), "weight": torch.tensor(weight), "idx": 7}
+        torch.testing.assert_close(compiled(model, opt, batch), dict_step(twin, twin_opt, batch))
+    assert compiled.trace_count == 3
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
 
@@ -342,7 +351,7 @@ def test_dataclass_batches_are_their_fields(fake_pg, caplog):
             batch = Batch(torch.randn(4, 8), torch.randn(4, 2), 1.0 if i < 2 else 5.0)
             torch.testing.assert_close(compiled(model, opt, batch), dc_step(twin, twin_opt, batch))
     assert [m.split(": ", 2)[2] for m in retrace_messages(caplog)] == [
-        "argument args[2].weight changed from 1.0 to 5.0"]
+        "argument args[2].weight changed from 1.0 to 5.0" + NUMBER_HINT]
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
 

@@ -258,10 +258,9 @@ class Guard:
                 f"{self.label} (lifted; the step tests it against zero) changed from "
                 f"{_SIGNS.get(self.value)} to {_SIGNS.get(self.current(binding))}"
             )
-        return (
-            f"{self.label} (read by the step) changed from {fmt(self.value)} to "
-            f"{fmt(self.current(binding))}"
-        )
+        now = self.current(binding)
+        hint = number_hint(self.value, now) if self.kind == "arg" else ""
+        return f"{self.label} (read by the step) changed from {fmt(self.value)} to {fmt(now)}{hint}"
 
 
 _SIGNS = {-1: "a negative value", 0: "zero", 1: "a positive value", None: "a non-number"}
@@ -366,7 +365,21 @@ def _explain_args(old: tuple, new: tuple, binding: Any) -> str | None:
     i = _first_diff(old, new)
     if i is None:
         return None
-    return f"argument {binding.arg_paths()[i]} changed from {fmt(old[i])} to {fmt(new[i])}"
+    return (f"argument {binding.arg_paths()[i]} changed from {fmt(old[i])} to {fmt(new[i])}"
+            f"{number_hint(old[i], new[i])}")
+
+
+def number_hint(old: Any, new: Any) -> str:
+    """For an argument that changed from one Python number to another: how to make it a graph
+    input instead of a constant (empty otherwise)."""
+    def number(spec: Any) -> bool:
+        value = spec[1] if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "const" else spec
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not (number(old) and number(new)):
+        return ""
+    return (" (a Python number is a constant of the graph: pass one that changes from call to "
+            "call as a tensor, e.g. torch.tensor(x), and it is an input instead)")
 
 
 def _explain_modules(old: tuple, new: tuple, binding: Any) -> str | None:
