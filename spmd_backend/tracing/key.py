@@ -372,11 +372,9 @@ def _explain_args(old: tuple, new: tuple, binding: Any) -> str | None:
 def number_hint(old: Any, new: Any) -> str:
     """For an argument that changed from one Python number to another: how to make it a graph
     input instead of a constant (empty otherwise)."""
-    def number(spec: Any) -> bool:
-        value = spec[1] if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "const" else spec
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-    if not (number(old) and number(new)):
+    values = [s[1] if isinstance(s, tuple) and len(s) == 2 and s[0] == "const" else s
+              for s in (old, new)]
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
         return ""
     return (" (a Python number is a constant of the graph: pass one that changes from call to "
             "call as a tensor, e.g. torch.tensor(x), and it is an input instead)")
