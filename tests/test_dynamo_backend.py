@@ -414,6 +414,25 @@ def test_a_refusal_under_suppress_errors_is_not_an_unsynchronized_eager_step(fak
             compiled(model, opt, torch.randn(4, 8))
 
 
+def test_an_eager_region_names_the_graph_break_dynamo_reported(fake_pg):
+    """torch's BatchNorm with ``momentum=None`` reads ``num_batches_tracked`` as a Python number
+    (a graph break through the Dynamo door: its parameters run eagerly). The refusal used to name
+    no cause; it now quotes the graph break Dynamo reported while compiling the step, and changes
+    no parameter."""
+    import spmd_backend
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=None), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
+    with pytest.raises(spmd_backend.SpmdUsageError, match=r"no spmd-compiled backward reduced") as info:
+        compiled(model, opt, torch.randn(6, 8))
+    assert "the last graph break Dynamo reported in a spmd step was in train_step" in str(info.value)
+    assert "Tensor.item()" in str(info.value), str(info.value)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_fused_optimizer_is_captured_in_the_whole_step(rank_pool):
     """Stock Dynamo skips the fused kernels (a graph break); the spmd scope traces them and the
     pipeline decomposes them: one graph, one compile, parity with DDP."""

@@ -16,7 +16,8 @@ process-wide table. A compiled backward graph that reduced a parameter's gradien
 :func:`mark_reduced_in_graph`); a gradient accumulated without a pending reduction raises
 :class:`~spmd_backend.errors.SpmdUsageError` during ``backward()``, and
 :func:`check_before_step` raises before an optimizer-step graph uses a gradient that no compiled
-backward reduced.
+backward reduced. Both errors quote the last graph break Dynamo reported while compiling a frame
+for this backend (:func:`note_graph_breaks`, called from Dynamo's compile by eager_guard).
 """
 
 from __future__ import annotations
@@ -53,13 +54,37 @@ class _Audit:
             cause = f"{self.skipped}; TORCH_LOGS=graph_breaks shows why"
         else:
             cause = ("a graph break inside the model ran part of it eagerly, or Dynamo stopped "
-                     "compiling the step after its recompile limit: TORCH_LOGS=recompiles shows why")
+                     "compiling the step after its recompile limit: TORCH_LOGS=recompiles shows "
+                     f"why{_last_break()}")
         raise SpmdUsageError(
             f'backend="spmd": the gradient of parameter {self.fqn!r} was computed outside the '
             f"spmd-compiled graphs ({cause}), so it would not be synchronized across ranks; "
             "remove the graph break (torch._dynamo.explain shows it) or compile the model with "
             "fullgraph=True"
         )
+
+
+#: the last graph break Dynamo reported while compiling a frame for this backend, quoted by the
+#: audit's errors as a place to look (diagnostics only: nothing decides on it)
+_last_graph_break: str | None = None
+
+
+def _where(code: Any) -> str:
+    name = getattr(code, "co_name", "?")
+    return f"{name} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
+
+
+def note_graph_breaks(code: Any, reasons: list[str]) -> None:
+    """Dynamo broke the graph of ``code`` (a frame compiled for this backend) for ``reasons``."""
+    global _last_graph_break
+    if reasons:
+        _last_graph_break = f"in {_where(code)}: {'; '.join(r[:200] for r in reasons)}"
+
+
+def _last_break() -> str:
+    if _last_graph_break is None:
+        return ""
+    return f" (the last graph break Dynamo reported in a spmd step was {_last_graph_break})"
 
 
 def _audit_of(param: torch.Tensor) -> _Audit | None:
@@ -88,9 +113,7 @@ def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int
     ``backward()``, naming this frame."""
     if not torch.is_grad_enabled():  # an evaluation under no_grad: no gradient to watch
         return 0
-    name = getattr(code, "co_name", "?")
-    where = f"{name} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
-    note = f"Dynamo could not compile {where} and runs it eagerly: {reason}"
+    note = f"Dynamo could not compile {_where(code)} and runs it eagerly: {reason}"
     count = 0
     for _, fqn, p in trainable_parameters(values):
         watch(p, fqn)
@@ -132,9 +155,9 @@ def check_before_step(params: Iterable[torch.Tensor]) -> None:
                 f'backend="spmd": optimizer parameter #{i} ({name}, shape {list(p.shape)}) '
                 "has a gradient that no spmd-compiled backward reduced (a graph break inside "
                 "the model ran it eagerly, or Dynamo stopped compiling the step after its "
-                "recompile limit?); it would not be synchronized across ranks. Remove the graph "
-                "break (torch._dynamo.explain shows it) or the cause of the recompiles "
-                "(TORCH_LOGS=recompiles)"
+                f"recompile limit?{_last_break()}); it would not be synchronized across ranks. "
+                "Remove the graph break (torch._dynamo.explain shows it) or the cause of the "
+                "recompiles (TORCH_LOGS=recompiles)"
             )
         audit.reduced_since_step = False
 

@@ -197,6 +197,7 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
         from torch._dynamo import exc
+        from torch._dynamo.utils import counters
 
         a = signature.bind(*args, **kwargs).arguments
         compiler_fn = a.get("compiler_fn")
@@ -209,6 +210,7 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
                 values, a["code"], limit, getattr(torch._dynamo.config, limit, "?"))
             if refused is not None:
                 raise refused
+        breaks = dict(counters["graph_break"])
         try:
             return original(*args, **kwargs)
         except Exception as e:
@@ -220,6 +222,10 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
                     reason += " (an error torch._dynamo.config.suppress_errors turns into an eager run)"
                 audit.watch_skipped_frame(values, a["code"], reason)
             raise
+        finally:
+            audit.note_graph_breaks(a["code"], [
+                r for r, n in counters["graph_break"].items()
+                if n > breaks.get(r, 0) and not r.startswith("spmd_backend")])
 
     return _compile
 
