@@ -196,6 +196,38 @@ def test_decision_inside_a_torch_module_names_its_line(fake_pg):
     assert_untouched(before, model, opt)
 
 
+class _PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 12, batch_first=True)
+        self.head = nn.Linear(12, 1)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)
+        return self.head(h[-1])
+
+
+def _packed_step(model, opt, x, lengths):
+    model(x, lengths).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_packed_sequence_names_the_recurrent_layer_and_what_to_do(fake_pg):
+    """An LSTM given a PackedSequence reads its batch sizes as Python numbers (a size of
+    ``torch.zeros``): the trace failed with a bare TypeError about a FunctionalTensor; the
+    refusal now names torch's line and says to pass the padded batch."""
+    torch.manual_seed(0)
+    model = _PackedLSTM()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdTraceError, match=r"Python decision on a tensor's value at "
+                                             r"torch/nn/modules/rnn\.py:\d+ .*PackedSequence"):
+        spmd_backend.compile()(_packed_step)(model, opt, torch.randn(3, 5, 8), torch.tensor([5, 2, 4]))
+    assert_untouched(before, model, opt)
+
+
 class PythonCounterSGD(torch.optim.Optimizer):
     """Momentum SGD with a bias-corrected step as some third-party optimizers write it: the step
     counter is a Python int in the param group (pytorch_optimizer's Adan, Lion, Ranger ...)."""

@@ -5,8 +5,9 @@
 captured from outside, a Python decision on a tensor's value) and where: the line of the user's
 step function and the innermost line outside torch and spmd_backend (a library such as
 transformers) on the failing call's stack; a decision on a tensor's value made inside torch's
-optimizers or modules (Adafactor's step sizes, BatchNorm's cumulative average) names torch's line
-too, with what the user can do about it. :func:`user_frame` gives that innermost line for any
+optimizers or modules (Adafactor's step sizes, BatchNorm's cumulative average, a recurrent
+layer's packed batch sizes used as a size) names torch's line too, with what the user can do
+about it. :func:`user_frame` gives that innermost line for any
 stack.
 """
 
@@ -35,6 +36,8 @@ _MODULE_HINTS = {
     "batchnorm.py": "a BatchNorm with momentum=None (a cumulative average) reads "
                     "num_batches_tracked as a Python number on every step; give it a momentum "
                     "(torch's default is 0.1)",
+    "rnn.py": "a recurrent layer given a PackedSequence (pack_padded_sequence) reads its batch "
+              "sizes as Python numbers; pass the padded batch and mask the padded steps instead",
 }
 
 
@@ -86,6 +89,13 @@ def _user_frames_below(frames: list[traceback.FrameSummary],
     return [f for f in frames[frames.index(frame) + 1:] if is_user_frame(f)]
 
 
+def _tensor_as_number(e: Exception) -> bool:
+    """A torch function wanted a Python number (a size) and got a traced tensor: eagerly it
+    would have read the tensor's value (``torch.zeros(n, batch_sizes[0])``)."""
+    msg = str(e)
+    return isinstance(e, TypeError) and ("FunctionalTensor" in msg or "FakeTensor" in msg)
+
+
 def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
     """``e`` (raised while tracing ``fn``) as an error that names its kind and place."""
     msg = str(e)
@@ -98,7 +108,7 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             "pass it as an argument (another module's weights, such as an EMA copy, as a list: "
             f"list(ema.parameters())) or register it as a buffer{at}. ({msg[:300]})"
         )
-    if type(e).__name__ in _DATA_DEPENDENT or "data-dependent" in msg:
+    if type(e).__name__ in _DATA_DEPENDENT or "data-dependent" in msg or _tensor_as_number(e):
         frames = _frames(e)
         in_optim = [f for f in frames if f.filename.startswith(_TORCH_OPTIM_DIR)]
         if in_optim:
