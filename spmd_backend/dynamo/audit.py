@@ -53,9 +53,7 @@ class _Audit:
         if self.skipped is not None:
             cause = f"{self.skipped}; TORCH_LOGS=graph_breaks shows why"
         else:
-            cause = ("a graph break inside the model ran part of it eagerly, or Dynamo stopped "
-                     "compiling the step after its recompile limit: TORCH_LOGS=recompiles shows "
-                     f"why{_last_break()}")
+            cause = f"{_eager_cause()}: TORCH_LOGS=recompiles shows why"
         raise SpmdUsageError(
             f'backend="spmd": the gradient of parameter {self.fqn!r} was computed outside the '
             f"spmd-compiled graphs ({cause}), so it would not be synchronized across ranks; "
@@ -81,10 +79,12 @@ def note_graph_breaks(code: Any, reasons: list[str]) -> None:
         _last_graph_break = f"in {_where(code)}: {'; '.join(r[:200] for r in reasons)}"
 
 
-def _last_break() -> str:
-    if _last_graph_break is None:
-        return ""
-    return f" (the last graph break Dynamo reported in a spmd step was {_last_graph_break})"
+def _eager_cause() -> str:
+    """Why a gradient may have been computed eagerly, with the last graph break Dynamo reported."""
+    last = ("" if _last_graph_break is None else
+            f" (the last graph break Dynamo reported in a spmd step was {_last_graph_break})")
+    return ("a graph break inside the model ran part of it eagerly, or Dynamo stopped compiling "
+            f"the step after its recompile limit{last}")
 
 
 def _audit_of(param: torch.Tensor) -> _Audit | None:
@@ -153,9 +153,8 @@ def check_before_step(params: Iterable[torch.Tensor]) -> None:
             name = audit.fqn if audit is not None else "used only outside compiled graphs"
             raise SpmdUsageError(
                 f'backend="spmd": optimizer parameter #{i} ({name}, shape {list(p.shape)}) '
-                "has a gradient that no spmd-compiled backward reduced (a graph break inside "
-                "the model ran it eagerly, or Dynamo stopped compiling the step after its "
-                f"recompile limit?{_last_break()}); it would not be synchronized across ranks. "
+                f"has a gradient that no spmd-compiled backward reduced ({_eager_cause()}?); "
+                "it would not be synchronized across ranks. "
                 "Remove the graph break (torch._dynamo.explain shows it) or the cause of the "
                 "recompiles (TORCH_LOGS=recompiles)"
             )

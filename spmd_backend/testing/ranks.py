@@ -224,7 +224,6 @@ class RankPool:
         import torch.distributed as dist
 
         self.world_size = world_size
-        self.backend = backend
         self.timeout = timeout
         self.failure_grace = failure_grace
         ctx = mp.get_context("spawn")
