@@ -6,8 +6,8 @@ captured from outside, a Python decision on a tensor's value) and where: the lin
 step function and the innermost line outside torch and spmd_backend (a library such as
 transformers) on the failing call's stack; a decision on a tensor's value made inside torch's
 optimizers or modules (Adafactor's step sizes, BatchNorm's cumulative average, a recurrent
-layer's packed batch sizes used as a size) names torch's line too, with what the user can do
-about it. :func:`user_frame` gives that innermost line for any stack.
+layer's packed batch sizes used as a size, ``AveragedModel.update_parameters``'s first-update
+test) names torch's line too, with what the user can do about it. :func:`user_frame` gives that innermost line for any stack.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ _LIBRARY_DIRS = (
 )
 _TORCH_OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
 _TORCH_NN_DIR = os.path.join(os.path.dirname(torch.__file__), "nn") + os.sep
+_SWA_UTILS = _TORCH_OPTIM_DIR + "swa_utils.py"
 #: what to do about a torch module's decision on a tensor value, by the module's file
 _MODULE_HINTS = {
     "batchnorm.py": "a BatchNorm with momentum=None (a cumulative average) reads "
@@ -95,11 +96,34 @@ def _tensor_as_number(e: Exception) -> bool:
     return isinstance(e, TypeError) and ("FunctionalTensor" in msg or "FakeTensor" in msg)
 
 
+def _averaged_model_update(e: Exception) -> traceback.FrameSummary | None:
+    """The frame of ``AveragedModel.update_parameters`` that failed (not a user module's forward
+    it called), or None."""
+    frames = _frames(e)
+    inside = [f for f in frames if f.filename == _SWA_UTILS and f.name == "update_parameters"]
+    return inside[-1] if inside and not _user_frames_below(frames, inside[-1]) else None
+
+
 def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
     """``e`` (raised while tracing ``fn``) as an error that names its kind and place."""
     msg = str(e)
     where = _where(e, fn)
     at = f" ({where})" if where else ""
+    swa = _averaged_model_update(e)
+    if swa is not None:
+        # the averaged copy is rarely an argument of the step, and its first update is a Python
+        # decision on its counter: neither advice below (pass it in; keep values tensors) helps
+        place = f"torch/optim/{_describe(swa)[len(_TORCH_OPTIM_DIR):]}"
+        where = _where(e, fn, named=place)
+        at = f" ({where})" if where else ""
+        return SpmdTraceError(
+            f"torch's AveragedModel.update_parameters at {place}{at} decides on the value of its "
+            "n_averaged counter (whether this is the first update), which one compiled graph "
+            "cannot replay: call ema.update_parameters(model) after the compiled step, outside "
+            "it (the parameters are the same on every rank after the step, so is each rank's "
+            'average), or compile the step with torch.compile(step, backend="spmd"), which runs '
+            f"the update between its graphs. ({type(e).__name__}: {msg.splitlines()[0][:200]})"
+        )
     if "Please convert all Tensors to FakeTensors" in msg:
         return SpmdTraceError(
             "the train step used a real tensor that is neither a parameter, buffer, optimizer "
