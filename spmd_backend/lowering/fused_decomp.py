@@ -62,21 +62,34 @@ class _Emitter:
         return self.graph.call_function(target, args, kwargs)
 
 
-@torch.library.custom_op("spmd_backend::adam_bias_corrections", mutates_args=())
+#: holds the definition of ``spmd_backend::adam_bias_corrections`` (kept alive here)
+_LIBRARY = torch.library.Library("spmd_backend", "FRAGMENT")  # noqa: TOR901
+_LIBRARY.define(
+    "adam_bias_corrections(Tensor[] steps, Tensor lr, float beta1, float beta2) -> (Tensor, Tensor)"
+)
+
+
 def adam_bias_corrections(
     steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)`` per step tensor, in float64.
 
     An opaque op on purpose: Inductor would otherwise inline this scalar math into every
-    parameter's update loop and evaluate ``pow`` once per vector of every parameter.
+    parameter's update loop and evaluate ``pow`` once per vector of every parameter. Defined
+    through a plain ``Library`` kernel rather than ``torch.library.custom_op``, whose Python
+    wrapper cost as much as the math (191 against 88 us per call for 10 steps on the
+    development CPU): it runs once per parameter group on every step, on the host, so on a GPU
+    it is part of a host-bound step's time. The math is eager's, bit for bit.
     """
-    t = torch.stack([s.reshape(()) for s in steps]).to(torch.float64)
-    step_size = lr.to(torch.float64) / (1 - torch.pow(beta1, t))
-    return step_size, torch.sqrt(1 - torch.pow(beta2, t))
+    t = torch.stack([s if s.dim() == 0 else s.reshape(()) for s in steps]).to(torch.float64)
+    step_size = lr.to(torch.float64).div(torch.pow(beta1, t).neg_().add_(1))
+    return step_size, torch.pow(beta2, t).neg_().add_(1).sqrt_()
 
 
-@adam_bias_corrections.register_fake
+_LIBRARY.impl("adam_bias_corrections", adam_bias_corrections, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("spmd_backend::adam_bias_corrections")
 def _adam_bias_corrections_fake(
     steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
