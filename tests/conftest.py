@@ -48,6 +48,7 @@ def _shared_pool() -> RankPool:
             timeout=RANK_JOB_TIMEOUT,
             failure_grace=5.0,
             env={"TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]},
+            retain_memory=True,
         )
         _POOL["pool"] = pool
     return pool

@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from spmd_backend.errors import SpmdError
+from spmd_backend.testing.heap import retain_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,10 @@ def _worker(
     results: Any,
     env: dict[str, str],
     log_path: str,
+    retain_memory: bool = False,
 ) -> None:
+    if retain_memory:
+        retain_freed_memory()
     os.environ.update(env)
     _log_to(log_path)
     # the ranks share the machine's cores: one intra-op pool per rank sized to its share (two
@@ -209,7 +213,10 @@ class RankPool:
     ``pool.run(fn, *args, timeout=...)`` calls ``fn(rank, world_size, *args)`` on every rank
     and returns the list of per-rank results. After a timeout or a failure the pool is dead
     (:attr:`alive` is False); create a new one. When one rank fails, the others get
-    ``failure_grace`` seconds to finish or fail before they are killed.
+    ``failure_grace`` seconds to finish or fail before they are killed. With
+    ``retain_memory=True`` each worker keeps the memory its jobs free for the next ones
+    (:func:`~spmd_backend.testing.heap.retain_freed_memory`): a test suite's ranks stop
+    zero-filling fresh pages for every step, at the cost of holding their peak heap.
     """
 
     def __init__(
@@ -220,6 +227,7 @@ class RankPool:
         timeout: float = 120.0,
         env: dict[str, str] | None = None,
         failure_grace: float = 10.0,
+        retain_memory: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -240,7 +248,7 @@ class RankPool:
             ctx.Process(
                 target=_worker,
                 args=(r, world_size, port, backend, max(timeout, 60.0), self._jobs[r],
-                      self._results, dict(env or {}), self.log_path(r)),
+                      self._results, dict(env or {}), self.log_path(r), retain_memory),
                 daemon=True,
             )
             for r in range(world_size)
