@@ -77,7 +77,7 @@ def adam_bias_corrections(
     An opaque op on purpose: Inductor would otherwise inline this scalar math into every
     parameter's update loop and evaluate ``pow`` once per vector of every parameter. Defined
     through a plain ``Library`` kernel rather than ``torch.library.custom_op``, whose Python
-    wrapper cost as much as the math (191 against 88 us per call for 10 steps on the
+    wrapper cost as much as the math (191 against 85 us per call for 10 steps on the
     development CPU): it runs once per parameter group on every step, on the host, so on a GPU
     it is part of a host-bound step's time. The math is eager's, bit for bit.
     """

@@ -7,7 +7,8 @@ step function and the innermost line outside torch and spmd_backend (a library s
 transformers) on the failing call's stack; a decision on a tensor's value made inside torch's
 optimizers or modules (Adafactor's step sizes, BatchNorm's cumulative average, a recurrent
 layer's packed batch sizes used as a size, ``AveragedModel.update_parameters``'s first-update
-test) names torch's line too, with what the user can do about it. :func:`user_frame` gives that innermost line for any stack.
+test) names torch's line too, with what the user can do about it. :func:`user_frame` gives that
+innermost line for any stack.
 """
 
 from __future__ import annotations
