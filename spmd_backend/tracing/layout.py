@@ -15,8 +15,9 @@ Outputs, in order::
 :func:`plan_inputs` builds the input half for a binding; :meth:`StepLayout.gather` collects the
 live tensors of a later call (hyper-parameter tensors are cached by value, so an unchanged
 learning rate allocates nothing); the trace fills the output half; :meth:`StepLayout.commit`
-writes a run's outputs back (optimizer state entries, ``.grad``, mutated buffers and arguments)
-and rebuilds the user's return value. Parameters, optimizer state and GradScaler state are
+writes a run's outputs back (optimizer state entries, ``.grad``, mutated buffers and arguments,
+resized in place where the step changed their shape inside an op, as torch's fused observer for
+quantization-aware training does) and rebuilds the user's return value. Parameters, optimizer state and GradScaler state are
 written inside the graph (``copy_`` into placeholders, in the optimizer region).
 """
 
@@ -157,7 +158,12 @@ class StepLayout:
         with torch.no_grad():
             for kind, j in self.mutated_outputs:
                 live = binding.buffers[j] if kind == "buffers" else binding.flat_args[self.arg_inputs[j]]
-                live.copy_(outs[pos])
+                new = outs[pos]
+                if live.shape != new.shape:
+                    # the step resized it in place (a quantization observer's per-channel
+                    # min/max, FakeQuantize's scale): as eager leaves it, the same tensor object
+                    live.resize_(new.shape)
+                live.copy_(new)
                 pos += 1
         leaves = [
             outs[v] if kind == "tensor" else outs[v].item() if kind == "item" else v
