@@ -228,6 +228,28 @@ def test_a_packed_sequence_names_the_recurrent_layer_and_what_to_do(fake_pg):
     assert_untouched(before, model, opt)
 
 
+def _ctc_step(model, opt, x, targets, input_lengths, target_lengths):
+    log_probs = model(x).log_softmax(-1)
+    nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_an_op_whose_output_shape_depends_on_values_is_named_as_such(fake_pg):
+    """ctc_loss with tensor lengths: its output's shape comes from the lengths' values (not a
+    Python decision, as the refusal used to say); the refusal names torch's line."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 6)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdTraceError, match=r"op whose output shape depends on a tensor's values "
+                                             r"at torch/nn/functional\.py:\d+ .*ctc_loss"):
+        spmd_backend.compile()(_ctc_step)(model, opt, torch.randn(12, 3, 8),
+                                          torch.randint(1, 6, (3, 5)), torch.full((3,), 12),
+                                          torch.tensor([5, 4, 3]))
+    assert_untouched(before, model, opt)
+
+
 class PythonCounterSGD(torch.optim.Optimizer):
     """Momentum SGD with a bias-corrected step as some third-party optimizers write it: the step
     counter is a Python int in the param group (pytorch_optimizer's Adan, Lion, Ranger ...)."""

@@ -74,6 +74,42 @@ def test_mismatched_models_fail_on_every_rank_in_the_dynamo_door(rank_pool, sync
         assert "untouched=True" in m, m
 
 
+class _TwoHeads(nn.Module):
+    """Takes one of two heads by a Python branch on the batch: each rank traces its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.pos = nn.Linear(8, 2)
+        self.neg = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return self.pos(h) if bool(x.sum() > 0) else self.neg(h)
+
+
+def _rank_dependent_branch_job(rank: int, world: int) -> str:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(_step, backend="spmd", options={"inductor": False})
+    x = torch.rand(4, 8) * (1 if rank == 0 else -1)
+    try:
+        step(model, opt, x)
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
+        return f"{type(e).__name__}: {e}"
+    return "ran"
+
+
+def test_a_branch_that_differs_between_ranks_is_named_as_such(rank_pool):
+    """Same model, but each rank's batch takes another head: the ranks' steps read different
+    parameters, and the refusal says why that happens instead of only that the states differ."""
+    for m in rank_pool.run(_rank_dependent_branch_job, timeout=60):
+        assert "SpmdDistributedError" in m and "module state (parameters and buffers)" in m, m
+        assert "branch on a tensor's value went differently on the ranks" in m, m
+
+
 def _first_step_without_sync_job(rank: int, world: int) -> tuple[bool, bool]:
     """Replicas initialized differently; a first compiled step with sync_module_states off
     leaves them different (its tensors are verified, not broadcast); a later step that asks

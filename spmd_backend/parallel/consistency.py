@@ -61,10 +61,10 @@ def default_store() -> dist.Store:
 
 def check_consistency(
     lines: list[str], key: str, group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S,
-    what: str = "compiled graph",
+    what: str = "compiled graph", hint: str = "",
 ) -> str:
     """Post ``lines`` under ``key`` and compare with every rank of ``group``; returns the digest.
-    ``what`` names what the lines describe in the error messages."""
+    ``what`` names what the lines describe in the error messages; ``hint`` ends them."""
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     world = dist.get_world_size(group)
     if world == 1 or dist.get_backend(group) == "fake":
@@ -95,11 +95,11 @@ def check_consistency(
             if a != b:
                 raise SpmdDistributedError(
                     f"spmd_backend: the {what} of rank {rank} differs from rank {r}'s "
-                    f"({key}):\n  rank {rank}: {a}\n  rank {r}: {b}"
+                    f"({key}):\n  rank {rank}: {a}\n  rank {r}: {b}{hint}"
                 )
         raise SpmdDistributedError(
             f"spmd_backend: the {what} of rank {rank} has {len(lines)} entries (state inputs, "
-            f"collectives), rank {r}'s has {len(theirs)} ({key})"
+            f"collectives), rank {r}'s has {len(theirs)} ({key}){hint}"
         )
     log.debug("graph %s consistent across %d ranks (%s)", key, world, digest[:12])
     return digest

@@ -80,4 +80,16 @@ def verify_across_ranks(
     store = consistency.default_store()
     round_no = store.add(f"spmd/{pg.group_name}/state_rounds/{dist.get_rank(pg)}", 1)
     consistency.check_consistency(lines, f"module_state#{round_no}", pg, timeout_s,
-                                  what="module state (parameters and buffers)")
+                                  what="module state (parameters and buffers)", hint=_READS_HINT)
+
+
+#: what a difference in the tensors a step reads means when the models are the same
+_READS_HINT = (
+    "\nThese are the tensors each rank's step reads, compared before its first collective. "
+    "If every rank built the same model, their steps read different tensors: a Python branch "
+    "on a tensor's value went differently on the ranks (torch.compile traced each rank's own "
+    "path), such as nn.AdaptiveLogSoftmaxWithLoss skipping a cluster, or a mixture of experts "
+    "skipping an expert, that no target or token of this rank's batch reaches. Data-parallel "
+    "training needs every rank to take the same path: make the branch a tensor operation "
+    "(torch.where, masking) or run every branch on every rank."
+)

@@ -156,8 +156,15 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             # a torch module decides (its settings do): name its line, not only the step's
             frame = in_nn[-1]
             hint = _MODULE_HINTS.get(os.path.basename(frame.filename))
+            does = (
+                # an op whose output's shape is computed from tensor values (ctc_loss with
+                # tensor lengths), not a decision in Python: say so
+                "calls an op whose output shape depends on a tensor's values"
+                if type(e).__name__ == "DynamicOutputShapeException"
+                else "makes a Python decision on a tensor's value"
+            )
             return SpmdTraceError(
-                "a torch module makes a Python decision on a tensor's value at "
+                f"a torch module {does} at "
                 f"torch/nn/{_describe(frame)[len(_TORCH_NN_DIR):]}{at}, which one compiled "
                 f"graph cannot replay for other values{': ' + hint if hint else ''}. "
                 f"({type(e).__name__}: {msg.splitlines()[0][:200]})"
