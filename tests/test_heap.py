@@ -10,7 +10,7 @@ import sys
 import torch
 
 _SCRIPT = """
-import resource, sys, torch
+import sys
 if sys.argv[1] == "retain":
     from spmd_backend.testing.heap import retain_freed_memory
     assert retain_freed_memory()

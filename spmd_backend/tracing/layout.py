@@ -17,8 +17,9 @@ live tensors of a later call (hyper-parameter tensors are cached by value, so an
 learning rate allocates nothing); the trace fills the output half; :meth:`StepLayout.commit`
 writes a run's outputs back (optimizer state entries, ``.grad``, mutated buffers and arguments,
 resized in place where the step changed their shape inside an op, as torch's fused observer for
-quantization-aware training does) and rebuilds the user's return value. Parameters, optimizer state and GradScaler state are
-written inside the graph (``copy_`` into placeholders, in the optimizer region).
+quantization-aware training does) and rebuilds the user's return value. Parameters, optimizer
+state and GradScaler state are written inside the graph (``copy_`` into placeholders, in the
+optimizer region).
 """
 
 from __future__ import annotations
