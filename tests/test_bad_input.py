@@ -250,6 +250,58 @@ def test_an_op_whose_output_shape_depends_on_values_is_named_as_such(fake_pg):
     assert_untouched(before, model, opt)
 
 
+class _Policy(nn.Module):
+    """A policy-gradient head: a categorical distribution over actions, sampled in the step."""
+
+    def __init__(self, validate: bool | None) -> None:
+        super().__init__()
+        self.logits = nn.Linear(8, 4)
+        self.validate = validate
+
+    def forward(self, x):
+        d = torch.distributions.Categorical(logits=self.logits(x), validate_args=self.validate)
+        action = d.sample()
+        return -(d.log_prob(action) * action.float()).mean() - 0.01 * d.entropy().mean()
+
+
+def _policy_step(model, opt, x):
+    loss = model(x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_distribution_argument_validation_is_named_and_can_be_switched_off(fake_pg):
+    """torch.distributions validates a distribution's parameters by default (a Python decision
+    on their values); the refusal used to read as the user's own ``if`` on a tensor. It names
+    the check and the switch; with the switch off the step compiles and matches eager, samples
+    included."""
+    torch.manual_seed(0)
+    model = _Policy(validate=None)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdTraceError, match=r"torch\.distributions checks a distribution's "
+                                             r"parameters .* at torch/distributions/\S+\.py:\d+ "
+                                             r".*validate_args=False"):
+        spmd_backend.compile()(_policy_step)(model, opt, torch.randn(6, 8))
+    assert_untouched(before, model, opt)
+
+    model.validate = False
+    eager = copy.deepcopy(model)
+    eager_opt = torch.optim.Adam(eager.parameters(), lr=0.1)
+    step = spmd_backend.compile()(_policy_step)
+    for i in range(3):
+        x = torch.randn(6, 8)
+        torch.manual_seed(100 + i)
+        got = step(model, opt, x)
+        torch.manual_seed(100 + i)
+        want = _policy_step(eager, eager_opt, x)
+        torch.testing.assert_close(got, want)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 class PythonCounterSGD(torch.optim.Optimizer):
     """Momentum SGD with a bias-corrected step as some third-party optimizers write it: the step
     counter is a Python int in the param group (pytorch_optimizer's Adan, Lion, Ranger ...)."""

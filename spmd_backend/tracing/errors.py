@@ -7,8 +7,8 @@ step function and the innermost line outside torch and spmd_backend (a library s
 transformers) on the failing call's stack; a decision on a tensor's value made inside torch's
 optimizers or modules (Adafactor's step sizes, BatchNorm's cumulative average, a recurrent
 layer's packed batch sizes used as a size, ``AveragedModel.update_parameters``'s first-update
-test) names torch's line too, with what the user can do about it. :func:`user_frame` gives that
-innermost line for any stack.
+test, torch.distributions' argument validation) names torch's line too, with what the user can
+do about it. :func:`user_frame` gives that innermost line for any stack.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ _LIBRARY_DIRS = (
 _TORCH_OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
 _TORCH_NN_DIR = os.path.join(os.path.dirname(torch.__file__), "nn") + os.sep
 _SWA_UTILS = _TORCH_OPTIM_DIR + "swa_utils.py"
+_TORCH_DISTRIBUTIONS_DIR = os.path.join(os.path.dirname(torch.__file__), "distributions") + os.sep
 #: what to do about a torch module's decision on a tensor value, by the module's file
 _MODULE_HINTS = {
     "batchnorm.py": "a BatchNorm with momentum=None (a cumulative average) reads "
@@ -168,6 +169,22 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
                 f"torch/nn/{_describe(frame)[len(_TORCH_NN_DIR):]}{at}, which one compiled "
                 f"graph cannot replay for other values{': ' + hint if hint else ''}. "
                 f"({type(e).__name__}: {msg.splitlines()[0][:200]})"
+            )
+        in_dist = [f for f in frames if f.filename.startswith(_TORCH_DISTRIBUTIONS_DIR)]
+        if in_dist and not _user_frames_below(frames, in_dist[-1]):
+            # torch.distributions checks arguments and samples against their constraints unless
+            # told not to (the default follows __debug__): a check the user can switch off
+            frame = in_dist[-1]
+            return SpmdTraceError(
+                "torch.distributions checks a distribution's parameters (and the values given to "
+                "log_prob) against their constraints at "
+                f"torch/distributions/{_describe(frame)[len(_TORCH_DISTRIBUTIONS_DIR):]}{at}, a "
+                "Python decision on tensor values that one compiled graph cannot replay: "
+                "construct the distribution with validate_args=False, or call "
+                "torch.distributions.Distribution.set_default_validate_args(False) once before "
+                'the first step (or compile with torch.compile(step, backend="spmd"), which runs '
+                f"the check between its graphs). ({type(e).__name__}: "
+                f"{msg.splitlines()[0][:200]})"
             )
         return SpmdTraceError(
             "the train step makes a Python decision on a tensor's value (.item(), bool(tensor), "
