@@ -250,9 +250,14 @@ def test_a_global_loss_module_is_keyed(fake_pg, restore_globals, caplog):
                for m in retraces(caplog)), retraces(caplog)
 
 
-def test_a_list_the_step_appends_to_does_not_retrace(fake_pg, restore_globals):
-    compiled = run_against_eager(logging_step, lambda: None, calls=3)
-    assert compiled.trace_count == 1
+def test_a_list_the_step_appends_to_is_refused_as_it_was(fake_pg, restore_globals):
+    """A list is not keyed (it would retrace every call), and the graph would not repeat the
+    append: it used to happen once, at trace time, silently. Refused, the list as it was."""
+    LOSSES[:] = [1.0]
+    with pytest.raises(SpmdUsageError, match=r"appends to global 'LOSSES' \(read by "
+                                             r"logging_step\), a list"):
+        run_against_eager(logging_step, lambda: None, calls=1)
+    assert LOSSES == [1.0]
 
 
 def test_a_global_the_step_writes_retraces_until_the_limit(fake_pg, restore_globals, caplog):

@@ -90,6 +90,9 @@ class StepBinding:
     batch_dim_dynamic: bool = False
     #: the step function (its globals and closure are part of the key)
     fn: Any = None
+    #: ``(args, kwargs)`` as the caller passed them (``args``/``kwargs`` above are rebuilt
+    #: copies): where a replayed write to an argument dict lands
+    original: tuple = ((), {})
 
     @classmethod
     def from_call(
@@ -98,6 +101,7 @@ class StepBinding:
     ) -> StepBinding:
         """Bind a call. ``unfused`` maps an optimizer's id to the param groups traced with
         their single-tensor implementation instead of the fused default."""
+        original = (args, kwargs)
         args, kwargs = adapt_user_dicts((args, kwargs))
         with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
         flat = [leaf for _, leaf in with_paths]
@@ -136,6 +140,7 @@ class StepBinding:
             aux_objects=find_grad_scalers(flat, fn),
             batch_dim_dynamic=batch_dim_dynamic,
             fn=fn,
+            original=original,
         )
 
     # ------------------------------------------------------------------ derived views

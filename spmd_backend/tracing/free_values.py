@@ -26,7 +26,9 @@ never ``getattr``, so properties and ``__getattr__`` never run.
 
 :func:`random_generators` finds, the same way, the random generator objects of the user's
 (``rng = np.random.default_rng(0)``, ``self.rng = random.Random(0)``) whose draws a trace would
-bake in (:mod:`spmd_backend.tracing.random_state` refuses them).
+bake in (:mod:`spmd_backend.tracing.random_state` refuses them); :func:`mutable_objects` the
+containers and objects of the user's that a step could write Python state into
+(:mod:`spmd_backend.tracing.side_effects` checks them).
 
 Guarantees: pure (reads, never writes), deterministic order, cost proportional to the names
 the step's code mentions (the code analysis is cached per code object).
@@ -88,7 +90,9 @@ def _is_user_module(mod: types.ModuleType) -> bool:
     return file is not None and _is_user_file(file)
 
 
-def _is_user_class(cls: type) -> bool:
+def is_user_class(cls: type) -> bool:
+    """A class defined by the user's code (not torch's, the standard library's or an installed
+    package's)."""
     mod = sys.modules.get(getattr(cls, "__module__", "") or "")
     return mod is None or _is_user_module(mod) or mod.__name__ == "__main__"
 
@@ -113,6 +117,15 @@ class _Walk:
         self.seen: set[Any] = set()
         #: random generator objects met on the way (label, generator)
         self.generators: list[tuple[str, Any]] = []
+        #: containers and user objects met on the way (label, object): what the step could
+        #: write Python state into (see :mod:`spmd_backend.tracing.side_effects`)
+        self.mutable: list[tuple[str, Any]] = []
+        self._mutable_ids: set[int] = set()
+
+    def _note_mutable(self, label: str, value: Any) -> None:
+        if id(value) not in self._mutable_ids:
+            self._mutable_ids.add(id(value))
+            self.mutable.append((label, value))
 
     def function(self, fn: Callable[..., Any], label: str, self_label: str | None = None,
                  depth: int = 0, role: str | None = None) -> None:
@@ -156,7 +169,10 @@ class _Walk:
         if is_plain(value):
             self.out.append((label, hashable(value)))
             return
-        if t in (list, dict, set) or isinstance(value, _SKIPPED):
+        if t in (list, dict, set):
+            self._note_mutable(label, value)
+            return
+        if isinstance(value, _SKIPPED):
             return
         if is_random_generator(value):
             if not any(g is value for _, g in self.generators):
@@ -165,6 +181,7 @@ class _Walk:
         if isinstance(value, nn.Module):
             if id(value) not in self.skip_modules and id(value) not in self.seen:
                 self.seen.add(id(value))
+                self._note_mutable(label, value)
                 rows = module_state(list(value.named_modules()))[0]
                 self.out.append((label, tuple((name, attrs) for name, attrs, _ in rows)))
             return
@@ -179,7 +196,7 @@ class _Walk:
             if not _is_user_module(value):
                 return
         elif isinstance(value, type):
-            if not _is_user_class(value):
+            if not is_user_class(value):
                 return
         elif callable(value) and not hasattr(value, "__dict__"):
             return
@@ -188,9 +205,11 @@ class _Walk:
         except TypeError:
             return
         self.seen.add(seen)
+        if not isinstance(value, (types.ModuleType, type)) and is_user_class(t):
+            self._note_mutable(label, value)
         for name in sorted(names & attrs.keys()):
             self.value(f"{label}.{name}", attrs[name], names, depth + 1)
-        if isinstance(value, (types.ModuleType, type)) or not _is_user_class(t):
+        if isinstance(value, (types.ModuleType, type)) or not is_user_class(t):
             return
         # an instance of a class of the user's: its class constants and the methods the code
         # calls on it (``self.WEIGHT``, ``trainer.compute_loss(...)``)
@@ -220,7 +239,7 @@ def _user_methods(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[types.Fu
                 break
             classes.setdefault(cls, None)
     for cls in classes:
-        if not _is_user_class(cls):
+        if not is_user_class(cls):
             continue
         for attr in vars(cls).values():
             if isinstance(attr, (staticmethod, classmethod)):
@@ -273,7 +292,7 @@ def _walk(fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]]) -> _
         # closure variable of a lambda) are read as the step's own
         if isinstance(hook, (types.FunctionType, types.MethodType, functools.partial)):
             walk.function(hook, label, role=label)
-        elif _is_user_class(type(hook)):
+        elif is_user_class(type(hook)):
             call = _class_attribute(type(hook), "__call__")
             if isinstance(call, types.FunctionType):
                 walk.function(types.MethodType(call, hook), label, label, role=label)
@@ -287,6 +306,15 @@ def free_values(
     user's module classes among ``modules`` (the bound module's tree, whose own attributes are
     keyed elsewhere), read from their globals and closures; in a deterministic order."""
     return tuple(_walk(fn, modules).out)
+
+
+def mutable_objects(
+    fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]] = ()
+) -> list[tuple[str, Any]]:
+    """``(label, object)`` of each list, dict and set, each instance of a user class and each
+    module other than ``modules`` that the step can reach where :func:`free_values` looks:
+    the Python state outside its arguments and its own module that a step could write to."""
+    return _walk(fn, modules).mutable
 
 
 def random_generators(

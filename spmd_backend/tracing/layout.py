@@ -10,6 +10,7 @@ Outputs, in order::
 
     user-returned tensors | optimizer state created or replaced by the step | final .grad values
            | new values of mutated buffers and arguments
+           | values of the step's Python writes (a module attribute, an argument dict's key)
            | a GradScaler's found_inf (only when its step was traced as a select)
 
 :func:`plan_inputs` builds the input half for a binding; :meth:`StepLayout.gather` collects the
@@ -17,7 +18,8 @@ live tensors of a later call (hyper-parameter tensors are cached by value, so an
 learning rate allocates nothing); the trace fills the output half; :meth:`StepLayout.commit`
 writes a run's outputs back (optimizer state entries, ``.grad``, mutated buffers and arguments,
 resized in place where the step changed their shape inside an op, as torch's fused observer for
-quantization-aware training does) and rebuilds the user's return value. Parameters, optimizer
+quantization-aware training does), replays the step's Python writes
+(:mod:`spmd_backend.tracing.side_effects`) and rebuilds the user's return value. Parameters, optimizer
 state and GradScaler state are written inside the graph (``copy_`` into placeholders, in the
 optimizer region).
 """
@@ -33,6 +35,7 @@ import torch.utils._pytree as pytree
 
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.hyperparams import HyperSlot, gather_hyperparameters
+from spmd_backend.tracing.side_effects import AttributeEffect, Effect
 
 T = TypeVar("T")
 
@@ -75,6 +78,10 @@ class StepLayout:
     creates_state: bool = False
     #: ("buffers" | "args", index in that input group) of inputs the step mutated, in output order
     mutated_outputs: list[tuple[str, int]] = field(default_factory=list)
+    #: Python writes of the step replayed after each run (see tracing.side_effects): those
+    #: whose value is an output, in output order, and those whose value is a constant
+    effect_outputs: list[Effect] = field(default_factory=list)
+    effect_consts: list[tuple[Effect, Any]] = field(default_factory=list)
     #: output position of a GradScaler's found_inf, when the optimizer step is a select on it
     skip_output: int | None = None
 
@@ -166,11 +173,23 @@ class StepLayout:
                     live.resize_(new.shape)
                 live.copy_(new)
                 pos += 1
+        for effect in self.effect_outputs:
+            self._apply(effect, binding, outs[pos])
+            pos += 1
+        for effect, value in self.effect_consts:
+            self._apply(effect, binding, value)
         leaves = [
             outs[v] if kind == "tensor" else outs[v].item() if kind == "item" else v
             for kind, v in self.out_leaves
         ]
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+    @staticmethod
+    def _apply(effect: Effect, binding: StepBinding, value: Any) -> None:
+        if isinstance(effect, AttributeEffect):
+            effect.apply(binding.modules, value)
+        else:
+            effect.apply(binding.original, value)
 
 
 def plan_inputs(binding: StepBinding) -> tuple[StepLayout, list[torch.Tensor]]:

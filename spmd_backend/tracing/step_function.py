@@ -44,6 +44,7 @@ from torch.nn.utils import stateless
 from spmd_backend.errors import SpmdTraceError, SpmdUsageError
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.dispatch import SYM_TYPES, TraceContext, TraceMode
+from spmd_backend.tracing.free_values import mutable_objects
 from spmd_backend.tracing.grad_scaler import SkipFlag, grad_scalers_swapped
 from spmd_backend.tracing.hyperparams import HyperSlot
 from spmd_backend.tracing.layout import InputGroups, StepLayout
@@ -55,6 +56,7 @@ from spmd_backend.tracing.markers import (
 )
 from spmd_backend.tracing.optimizer_swap import optimizer_swapped
 from spmd_backend.tracing.sharding import ShardedStep, ShardSpec
+from spmd_backend.tracing.side_effects import Effects, Path, StateSnapshot
 from spmd_backend.tracing.tracked import ReadRecorder, rebuild_tracked
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,7 @@ class StepFunction:
         self.shard = shard
         self.saw_backward = False
         self.skip_flag = SkipFlag()
+        self.effects = Effects()
         opt = binding.optimizer
         self.opt_state_before = {
             i: dict(opt.state[p]) for i, p in enumerate(binding.params)
@@ -166,6 +169,10 @@ class StepFunction:
             out, traced_state = self.run_user_step(lifted)
         results = self.collect_outputs(out, lifted, traced_state)
         results.extend(self.write_back_inputs(inputs, lifted.groups()))
+        for effect, t in self.effects.tensors:  # Python writes replayed after each run
+            self.layout.effect_outputs.append(effect)
+            results.append(from_functional(t))
+        self.layout.effect_consts = list(self.effects.consts)
         if self.skip_flag.value is not None:  # a GradScaler step: did it skip? (see commit)
             self.layout.skip_output = len(results)
             results.append(from_functional(self.skip_flag.value))
@@ -227,16 +234,32 @@ class StepFunction:
             if opt is not None
             else contextlib.nullcontext(None)
         )
-        with self._gradient_markers(lifted), \
-                stateless._reparametrize_module(binding.module, mapping, tie_weights=True), \
-                grad_scalers_swapped(binding.aux_objects, self.layout.aux_inputs, lifted.aux,
-                                     self.ctx, self.skip_flag), \
-                opt_cm as traced_state:
-            if self.mark_buffers:
-                for names, fb in zip(binding.buffer_names, lifted.buffers):
-                    fb.copy_(BUFFER_SYNC(fb, names[0]))
-            out = self.fn(*args, **kwargs)
+        outside = mutable_objects(self.fn, binding.modules)
+        if opt is not None:
+            outside.append((f"the optimizer {type(opt).__name__}", opt))
+        snapshot = StateSnapshot(binding.modules, (args, kwargs), outside, self._arg_label)
+        try:
+            with self._gradient_markers(lifted), \
+                    stateless._reparametrize_module(binding.module, mapping, tie_weights=True), \
+                    grad_scalers_swapped(binding.aux_objects, self.layout.aux_inputs, lifted.aux,
+                                         self.ctx, self.skip_flag), \
+                    opt_cm as traced_state:
+                if self.mark_buffers:
+                    for names, fb in zip(binding.buffer_names, lifted.buffers):
+                        fb.copy_(BUFFER_SYNC(fb, names[0]))
+                out = self.fn(*args, **kwargs)
+        except BaseException:
+            snapshot.restore()  # a failed trace leaves the Python state as it found it
+            raise
+        self.effects = snapshot.effects()
         return out, traced_state
+
+    def _arg_label(self, path: Path) -> str:
+        """An argument container's path as the user would write it (``args[2]['loss']``)."""
+        if not path:
+            return "arguments"
+        text = "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in path[1:])
+        return ("args" if path[0][1] == 0 else "kwargs") + text
 
     def _arguments(self, f_args: list[torch.Tensor]) -> tuple[tuple, dict]:
         binding = self.binding
