@@ -15,7 +15,8 @@ functions of the user's code (not torch's, not the standard library's, not insta
 packages') that the step calls are read the same way, as are a bound method's ``self``, and
 the hooks torch runs while the step is traced (module, global module and parameter gradient
 hooks: a hook object's ``self.scale``, a hook lambda's closure). The methods
-of the user's own module classes (a ``forward`` that reads a module-level flag) are read too;
+of the user's own module classes (a ``forward`` that reads a module-level flag) are read too,
+and so are the plain class attributes those methods name (``self.LAMBDA`` set on the class);
 a module other than the one the step is bound to (a global
 ``criterion = nn.CrossEntropyLoss(...)``) contributes its modes and plain attributes.
 
@@ -282,11 +283,40 @@ def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, Any]]:
     return found
 
 
+def _class_constants(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, Any]]:
+    """``(label, hashable value)`` of each plain class attribute of the user's own module
+    classes that their methods' code names (``self.LAMBDA`` read in ``forward``, set on the
+    class between calls): the module's keyed state holds its instance attributes only."""
+    found: list[tuple[str, Any]] = []
+    for cls in dict.fromkeys(type(mod) for _, mod in modules):
+        for name in _method_names(cls):
+            value = _class_attribute(cls, name)
+            if value is not None and is_plain(value):
+                found.append((f"class attribute {cls.__qualname__}.{name}", hashable(value)))
+    return found
+
+
+@functools.lru_cache(maxsize=1024)
+def _method_names(cls: type) -> tuple[str, ...]:
+    """The names the methods of a user module class (and of its user bases) mention, sorted;
+    empty for torch's and installed packages' classes."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is nn.Module or not is_user_class(klass):
+            break
+        for attr in vars(klass).values():
+            func = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+            if isinstance(func, types.FunctionType):
+                names |= _code_names(func.__code__)
+    return tuple(sorted(n for n in names if not n.startswith("__")))
+
+
 def _walk(fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]]) -> _Walk:
     walk = _Walk({id(m) for _, m in modules})
     walk.function(fn, getattr(fn, "__qualname__", "the step"))
     for method in _user_methods(modules):
         walk.function(method, method.__qualname__)
+    walk.out.extend(_class_constants(modules))
     for label, hook in _hooks(modules):
         # torch runs hooks, not the step's code: their values (a scale on a hook object, a
         # closure variable of a lambda) are read as the step's own
