@@ -6,8 +6,9 @@ A compiled step is valid only for the facts its trace depended on. Those facts a
   :meth:`~spmd_backend.tracing.binding.StepBinding.key`) holds what is always relevant: the
   identity of the module and optimizer, every tensor's shape/dtype/device/requires_grad, the
   optimizer state's structure, the argument tree's structure, every module's mode and plain
-  attributes and hooks (``model.eval()``, ``model.gradient_checkpointing_enable()``, a new
-  forward hook), the optimizer's hooks, defaults and plain attributes (a custom optimizer's
+  attributes (lists, dicts and sets of plain values, functions by identity, and the plain
+  attributes of objects it holds, three objects deep) and hooks (``model.eval()``,
+  ``model.gradient_checkpointing_enable()``, a new forward hook), the optimizer's hooks, defaults and plain attributes (a custom optimizer's
   Python counter), the process-wide flags that change
   what gets traced (grad mode, autocast, deterministic algorithms, default dtype, SDPA backends),
   and the plain values the step function reads from its globals and closure
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -113,13 +116,20 @@ _SKIPPED_TYPES = frozenset({dict, collections.OrderedDict, list, set})
 MAX_KEYED_CONTAINER = 256
 
 
+#: levels of objects followed from a module (``self.opts.deep.scale`` is two)
+MAX_HELD_DEPTH = 3
+
+
 def _plain_container(value: Any) -> tuple | None:
-    """A list or dict of plain values (``self.mix = [0.3, 0.7]``, ``self.cfg = {"scale": 2}``)
-    as a hashable tuple; None when it holds anything else or is long."""
+    """A list, dict or set of plain values (``self.mix = [0.3, 0.7]``,
+    ``self.cfg = {"scale": 2}``, ``self.skip = {"head"}``) as a hashable tuple; None when it
+    holds anything else or is long."""
     if len(value) > MAX_KEYED_CONTAINER:
         return None
     if type(value) is list:
         return ("list", tuple(value)) if all(is_plain(v) for v in value) else None
+    if type(value) is set:
+        return ("set", frozenset(value)) if all(is_plain(v) for v in value) else None
     if type(value) is dict:
         items = tuple(value.items())
         return ("dict", items) if all(is_plain(k) and is_plain(v) for k, v in items) else None
@@ -145,9 +155,18 @@ def _attributes(obj: Any) -> tuple[tuple, list[tuple[str, Any]]]:
             continue
         elif is_plain(v):
             plain.append((k, v))
+        elif _is_function(v):
+            # an activation or helper held as an attribute (``self.act = F.gelu``): swapping
+            # it changes the graph; keyed by identity
+            plain.append((k, ("function", v)))
         else:
             others.append((k, v))
     return tuple(plain), others
+
+
+def _is_function(value: Any) -> bool:
+    return isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                              functools.partial))
 
 
 def plain_attributes(obj: Any) -> tuple:
@@ -172,19 +191,26 @@ def module_state(modules: Sequence[tuple[str, nn.Module]]) -> tuple:
     (a config), each once; then the global hooks."""
 
     rows = []
-    objects: dict[int, tuple[str, Any]] = {}
     seen: set[int] = set()
+    pending: list[tuple[str, Any, int]] = []
     for name, mod in modules:
         plain, others = _attributes(mod)
         rows.append((name, plain, _hook_ids(mod)))
         for attr, value in others:
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            if _is_attribute_object(value):
-                objects[id(value)] = (f"{name}.{attr}" if name else attr, value)
-    held = tuple((label, plain_attributes(obj)) for label, obj in objects.values())
-    return (tuple(rows), held, global_module_hooks())
+            if id(value) not in seen and _is_attribute_object(value):
+                seen.add(id(value))
+                pending.append((f"{name}.{attr}" if name else attr, value, 1))
+    held = []
+    for label, obj, depth in pending:  # grows while walked: objects held by held objects
+        plain, others = _attributes(obj)
+        held.append((label, plain))
+        if depth >= MAX_HELD_DEPTH:
+            continue
+        for attr, value in others:
+            if id(value) not in seen and _is_attribute_object(value):
+                seen.add(id(value))
+                pending.append((f"{label}.{attr}", value, depth + 1))
+    return (tuple(rows), tuple(held), global_module_hooks())
 
 
 #: torch.nn.modules.module's global hook dicts (``register_module_forward_hook``, ...)
@@ -428,6 +454,14 @@ def _attr_value(value: Any) -> str:
     """An attribute's key value as the user wrote it (a keyed list or dict as one)."""
     if isinstance(value, tuple) and len(value) == 2 and value[0] in ("list", "dict"):
         return repr(list(value[1]) if value[0] == "list" else dict(value[1]))
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "set":
+        return repr(set(sorted(value[1], key=repr)))
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "function":
+        fn = value[1]
+        name, mod = getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)
+        if isinstance(fn, types.BuiltinFunctionType):
+            name = fn.__name__  # torch's builtins: ``_VariableFunctionsClass.relu``
+        return f"{mod}.{name}" if name and mod else repr(fn)
     return repr(value)
 
 
