@@ -212,6 +212,25 @@ def test_functions_sets_and_nested_options_are_part_of_the_key(fake_pg, caplog, 
         torch.testing.assert_close(p, q)
 
 
+def test_float32_matmul_precision_is_part_of_the_key(fake_pg, caplog):
+    """Inductor generates its matmuls for the precision set when it compiles (TF32 on GPUs): a
+    precision changed between calls retraces instead of keeping the old kernels."""
+    torch.manual_seed(0)
+    model, twin, opt, twin_opt, compiled, x = _compiled_and_eager_twin(Mixture())
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high" if before != "high" else "medium")
+        with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+            torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+        after = torch.get_float32_matmul_precision()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert retrace_messages(caplog) == [
+        "spmd_backend: retracing train_step: torch.get_float32_matmul_precision() changed from "
+        f"{before!r} to {after!r}"
+    ]
+
+
 def test_grad_mode_and_autocast_are_part_of_the_key(fake_pg, caplog):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))

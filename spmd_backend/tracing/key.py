@@ -10,7 +10,8 @@ A compiled step is valid only for the facts its trace depended on. Those facts a
   attributes of objects it holds, three objects deep) and hooks (``model.eval()``,
   ``model.gradient_checkpointing_enable()``, a new forward hook), the optimizer's hooks, defaults and plain attributes (a custom optimizer's
   Python counter), the process-wide flags that change
-  what gets traced (grad mode, autocast, deterministic algorithms, default dtype, SDPA backends),
+  what gets traced (grad mode, autocast, deterministic algorithms, default dtype, SDPA backends,
+  float32 matmul precision),
   and the plain values the step function reads from its globals and closure
   (:mod:`~spmd_backend.tracing.free_values`: a global loss scale, ``args.clip``).
 * :class:`Guard` values are what the trace was seen to *read*: non-lifted optimizer
@@ -92,6 +93,8 @@ _CONTEXT_PROBES: tuple[tuple[str, Any], ...] = (
               torch.is_deterministic_algorithms_warn_only_enabled())),
     ("torch.get_default_dtype()", torch.get_default_dtype),
     ("the SDPA backends (flash, mem_efficient, math, cudnn)", _sdp_flags),
+    # Inductor bakes the matmul precision (TF32 on GPUs) into the kernels it generates
+    ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision),
 )
 
 
