@@ -37,6 +37,7 @@ from spmd_backend.graph.utils import emit_graph_artifact
 from spmd_backend.memory import release_freed_heap
 from spmd_backend.parallel.consistency import check_consistency, graph_signature
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
+from spmd_backend.parallel.replicas import refuse_rank_local_writes
 from spmd_backend.parallel.sharded_state import prepare_sharding
 from spmd_backend.runtime import (
     RollbackPlan,
@@ -277,6 +278,8 @@ class CompiledTrainStep:
                 key.explain(after, binding),
             )
         gm = traced.gm
+        if mode.check_consistency:  # on the markers, before they become collectives
+            refuse_rank_local_writes(gm.graph, traced.layout, binding)
         expansion = pipeline.expand(gm, self._config)
         emit_graph_artifact(f"spmd_step_{self._step_id}_trace_{self.trace_count}", gm.graph)
         if mode.check_consistency:  # before any collective, the initial broadcast included

@@ -235,6 +235,22 @@ def is_compiled_autograd_accumulate(node: fx.Node) -> bool:
     return any(t is not None and node.target is t for t in targets)
 
 
+def written_nodes(node: fx.Node) -> list[fx.Node]:
+    """The nodes ``node`` writes in place: a ``copy_``'s destination, the arguments its schema
+    marks as written (an in-place fused optimizer's parameter and state lists)."""
+    if is_copy_(node):
+        return [node.args[0]] if isinstance(node.args[0], fx.Node) else []
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    out: list[fx.Node] = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        fx.node.map_arg(value, out.append)
+    return out
+
+
 def has_side_effect(node: fx.Node) -> bool:
     """Nodes dead-code elimination must keep: mutations, collectives, waits, impure calls."""
     if node.op in ("placeholder", "output"):

@@ -71,7 +71,9 @@ class DataParallel:
     rank, before the optimizer touches anything) when a reduced gradient holds NaN or Inf.
     ``check_consistency``: before a new graph's first collective, compare its collective schedule
     with every rank's through the store (``consistency_timeout_s``), see
-    :mod:`spmd_backend.parallel.consistency`. ``shard_optimizer``: ZeRO-style sharded optimizer
+    :mod:`spmd_backend.parallel.consistency`, and refuse a graph whose parameter or optimizer
+    state update depends on a rank's own batch without a collective (the replicas would drift
+    apart), see :mod:`spmd_backend.parallel.replicas`. ``shard_optimizer``: ZeRO-style sharded optimizer
     state: each rank keeps and updates only its 1/world share of every parameter's optimizer
     state (gradients reduce_scattered, updated parameters all_gathered), see
     :mod:`spmd_backend.tracing.sharding` and :mod:`spmd_backend.parallel.sharded_state`.

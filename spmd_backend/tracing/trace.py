@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_backend.errors import SpmdTraceError, SpmdUsageError
+from spmd_backend.graph.ops import written_nodes
 from spmd_backend.graph.utils import lazy_graph_modules
 from spmd_backend.tracing.annotate import ModuleAnnotator, annotate_optimizer_fqns
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
@@ -142,6 +143,16 @@ def trace_train_step(
         raise trace_error(e, fn) from e
 
     if binding.optimizer is not None and not step.saw_backward:
+        if _writes_parameters(gm.graph, layout.n_params):
+            raise SpmdUsageError(
+                "spmd_backend.compile: the train step updates parameters without "
+                "loss.backward(): gradients it computes itself (torch.autograd.grad) and assigns "
+                "to .grad pass no collective, so each rank would step on its own gradients and "
+                "the replicas would drift apart (DDP would too: it averages only what backward() "
+                "accumulates). Let loss.backward() produce the gradients (combine the losses "
+                'first), or compile with torch.compile(step, backend="spmd") and '
+                "dist.all_reduce the gradients you compute. Nothing was changed."
+            )
         raise SpmdUsageError(
             "spmd_backend.compile: the train step produced no parameter gradient: "
             "loss.backward() was never called, or the loss does not depend on any parameter "
@@ -157,6 +168,12 @@ def trace_train_step(
         gm=gm, layout=layout, trace_seconds=time.perf_counter() - t0, placeholder_names=names,
         guards=_guards(binding, recorder), shape_guard=shape_guard,
     )
+
+
+def _writes_parameters(graph: fx.Graph, n_params: int) -> bool:
+    """Whether ``graph`` writes one of its first ``n_params`` placeholders (the parameters)."""
+    params = set([n for n in graph.nodes if n.op == "placeholder"][:n_params])
+    return any(w in params for node in graph.nodes for w in written_nodes(node))
 
 
 def _annotate_optimizer(gm: fx.GraphModule, binding: StepBinding, layout: StepLayout) -> None:
