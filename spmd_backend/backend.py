@@ -41,6 +41,7 @@ from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase
 from spmd_backend.memory import release_freed_heap
+from spmd_backend.parallel.replicas import drift_error, rank_local_writes
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.runtime import GuardedStep
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
@@ -76,6 +77,10 @@ def _compile_aot(
     def whole_module(g: fx.GraphModule, ex: list[Any]) -> Any:
         step_cache.drop_key(g.graph)
         graphs.hoist_markers(g.graph)
+        if config.parallel.check_consistency:  # on the markers, before they become collectives
+            writes = rank_local_writes(g.graph, *_replica_roles(gm, inputs), {})
+            if writes:
+                raise drift_error(writes, 'backend="spmd"')
         if config.parallel.shard_optimizer:  # the reduce_scatter needs the marker unhidden
             graphs.fold_gradient_copies(g.graph)
         graphs.annotate_phases(g.graph, inputs.kinds, split_optimizer=True)
@@ -154,6 +159,28 @@ def _cache_key(gm: fx.GraphModule, config: PipelineConfig, inputs: graphs.Dynamo
         counters["spmd"]["cache_bypass_logged"] += 1
         log.info('backend="spmd": the compiled step is not cached (%s)', reason)
     return not reason
+
+
+def _replica_roles(gm: fx.GraphModule, inputs: graphs.DynamoInputs) -> tuple[dict, dict]:
+    """Placeholder position -> label: the rank-local inputs (tensor inputs of more than one
+    element that are not module or optimizer state: the batch) and the replicated state
+    (parameters, optimizer state, existing gradients); see parallel.replicas."""
+    local: dict[int, str] = {}
+    replicated: dict[int, str] = {}
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        kind = inputs.kinds.get(i)
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None) or node.name
+        name = name() if callable(name) else name
+        if kind == "param":
+            replicated[i] = f"parameter {inputs.fqns[i]!r}"
+        elif kind in ("state", "grad"):
+            replicated[i] = f"{'optimizer state' if kind == 'state' else 'the gradient'} {name}"
+        elif kind == "arg":
+            example = getattr(node.meta.get("grapharg"), "example", None)
+            if isinstance(example, torch.Tensor) and example.numel() > 1:
+                local[i] = f"input {name}"
+    return local, replicated
 
 
 def _fallback_reason() -> str:

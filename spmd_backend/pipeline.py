@@ -120,6 +120,7 @@ class PipelineConfig:
             broadcast_buffers=bool(options.pop("broadcast_buffers", True)),
             sync_module_states=bool(options.pop("sync_module_states", True)),
             check_finite_grads=bool(options.pop("check_finite_grads", False)),
+            check_consistency=bool(options.pop("check_consistency", True)),
             gradient_compression=options.pop("gradient_compression", None),
             shard_optimizer=options.pop("shard_optimizer", False),
             reduce_scatter_grads=options.pop("reduce_scatter_grads", None),
@@ -157,7 +158,7 @@ class PipelineConfig:
 #: the keys ``torch.compile(..., backend="spmd", options=...)`` accepts
 OPTION_NAMES: tuple[str, ...] = (
     "reduce_op", "process_group", "broadcast_buffers", "sync_module_states", "check_finite_grads",
-    "gradient_compression", "shard_optimizer", "reduce_scatter_grads", "bucket_size_mb", "passes", "skip_passes", "inductor",
+    "check_consistency", "gradient_compression", "shard_optimizer", "reduce_scatter_grads", "bucket_size_mb", "passes", "skip_passes", "inductor",
     "background_compile", "dump_graphs",
 )
 

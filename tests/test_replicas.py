@@ -94,3 +94,39 @@ def test_collectives_and_markers_stop_the_batch_but_element_lists_do_not_mix():
     g.output(None)
     writes = rank_local_writes(g, {2: "argument batch"}, {0: "p0", 1: "p1"}, {})
     assert [(w.target, w.source) for w in writes] == [("p1", "argument batch")]
+
+
+def reduced_surgery_step(model, opt, x, y):
+    """The fix the refusal suggests in the Dynamo door: reduce the computed gradients."""
+    params = list(model.parameters())
+    out = model(x)
+    task = torch.autograd.grad(F.cross_entropy(out, y), params, retain_graph=True)
+    aux = torch.autograd.grad(out.pow(2).mean(), params)
+    for p, a, b in zip(params, task, aux):
+        g = a + 0.1 * b
+        torch.distributed.all_reduce(g)
+        p.grad = g
+    opt.step()
+    opt.zero_grad()
+
+
+def test_the_dynamo_door_refuses_the_same_and_takes_its_own_collective(fake_pg):
+    """Through backend="spmd" the check runs on the whole-step graph before the markers become
+    collectives; the step's own all_reduce of the gradients it computes (captured in the graph)
+    makes them replicated, and the step compiles."""
+    torch._dynamo.reset()
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    options = {"inductor": False, "reduce_op": "sum"}
+    with pytest.raises(Exception, match=r"parameter '2\.bias' \(and 2 more\) is updated from "
+                                        r"input .*drift apart") as info:
+        torch.compile(local_term_step, backend="spmd", options=options)(model, opt, x, y)
+    assert isinstance(getattr(info.value, "inner_exception", info.value), SpmdUsageError)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b) and p.grad is None
+    assert not opt.state
+    torch._dynamo.reset()
+    torch.compile(reduced_surgery_step, backend="spmd", options=options)(model, opt, x, y)
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

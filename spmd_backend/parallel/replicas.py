@@ -17,7 +17,14 @@ derived from one is rank-local until a marker of the gradient or buffer collecti
 functional collective (the step's own ``all_reduce``) consumes it. Reported writes: a ``copy_``
 into a replicated input (the write-back of parameters and optimizer state), a fused or in-place
 kernel mutating one, and graph outputs that become replicated state (final gradients, new
-optimizer state). Random ops are not sources: ranks seeded alike draw alike.
+optimizer state). A value is followed through what carries its values: not through ops that
+take only a tensor's shape (``empty_like``), and through ``copy(self, src)`` from ``src`` only
+(functionalization writes an in-place collective's result back that way). Random ops are not
+sources: ranks seeded alike draw alike.
+
+:func:`refuse_rank_local_writes` labels the compile door's graph from its layout;
+``backend.py`` labels the Dynamo door's whole-step graph from its classified inputs; both raise
+:func:`drift_error`.
 
 Requires the traced graph with its markers (before the data-parallel expansion). Guarantees:
 reads the graph only; one pass in topological order.
@@ -133,7 +140,7 @@ def rank_local_writes(
             if _first(result) is not None:
                 taint[node] = result
             continue
-        origin = _first([taint.get(n) for n in _flat_nodes((node.args, node.kwargs))])
+        origin = _first([taint.get(n) for n in _data_inputs(node)])
         if origin is None:
             continue
         taint[node] = origin
@@ -141,6 +148,33 @@ def rank_local_writes(
         for target in written_nodes(node):
             report(target, origin)
     return list(found.values())
+
+
+#: ops whose result holds none of their tensor arguments' values (only their shape, dtype,
+#: device): a freshly made tensor
+_METADATA_ONLY = frozenset({
+    torch.ops.aten.empty_like.default, torch.ops.aten.zeros_like.default,
+    torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default,
+    torch.ops.aten.new_empty.default, torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default,
+    torch.ops.aten.new_empty_strided.default,
+})
+#: ops whose result holds the values of one argument only: ``copy(self, src)`` (functional
+#: ``copy_``, as functionalization writes an in-place collective's result back) is ``src``
+_VALUES_FROM = {
+    torch.ops.aten.copy.default: 1,
+    torch.ops.aten.copy_.default: 1,
+}
+
+
+def _data_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose values ``node``'s result can hold."""
+    if node.target in _METADATA_ONLY:
+        return []
+    if node.target in _VALUES_FROM:
+        index = _VALUES_FROM[node.target]
+        return _flat_nodes(node.args[index]) if index < len(node.args) else []
+    return _flat_nodes((node.args, node.kwargs))
 
 
 def _first(taint: object) -> str | None:
@@ -232,14 +266,25 @@ def refuse_rank_local_writes(graph: fx.Graph, layout: StepLayout, binding: StepB
         replicated_outputs[out + k] = f"the gradient of {names[i]!r}"
     writes = rank_local_writes(graph, local_inputs, replicated_inputs, replicated_outputs)
     if writes:
-        raise SpmdUsageError(
-            f"spmd_backend.compile: {describe(writes)} without passing a gradient collective, so "
-            "each rank would update it differently and the replicas would drift apart (DDP "
-            "would too: it averages only the gradients backward() accumulates). A gradient "
-            "from torch.autograd.grad assigned to .grad, a local term added to a reduced "
-            "gradient or an update scaled by this rank's loss does this. Let loss.backward() "
-            "produce the gradients (combine the losses first), or compile with "
-            'torch.compile(step, backend="spmd") and dist.all_reduce the gradients you '
-            "compute; if that argument holds the same values on every rank, pass "
-            "DataParallel(check_consistency=False). Nothing was changed."
-        )
+        raise drift_error(writes, "spmd_backend.compile")
+
+
+def drift_error(writes: Sequence[RankLocalWrite], door: str) -> SpmdUsageError:
+    """The refusal of a step with rank-local writes, worded for ``door``
+    ("spmd_backend.compile" or 'backend="spmd"')."""
+    if door == "spmd_backend.compile":
+        fix = ('or compile with torch.compile(step, backend="spmd") and dist.all_reduce the '
+               "gradients you compute; if that argument holds the same values on every rank, "
+               "pass DataParallel(check_consistency=False)")
+    else:
+        fix = ("or dist.all_reduce the gradients you compute before using them (the collective "
+               "is captured in the graph); if that input holds the same values on every rank, "
+               'pass options={"check_consistency": False}')
+    return SpmdUsageError(
+        f"{door}: {describe(writes)} without passing a gradient collective, so each rank "
+        "would update it differently and the replicas would drift apart (DDP would too: it "
+        "averages only the gradients backward() accumulates). A gradient from "
+        "torch.autograd.grad assigned to .grad, a local term added to a reduced gradient or an "
+        "update scaled by this rank's loss does this. Let loss.backward() produce the "
+        f"gradients (combine the losses first), {fix}. Nothing was changed."
+    )
