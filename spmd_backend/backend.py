@@ -80,7 +80,7 @@ def _compile_aot(
         if config.parallel.check_consistency:  # on the markers, before they become collectives
             writes = rank_local_writes(g.graph, *_replica_roles(gm, inputs), {})
             if writes:
-                raise drift_error(writes, 'backend="spmd"')
+                raise drift_error(writes, 'backend="spmd"', g.graph)
         if config.parallel.shard_optimizer:  # the reduce_scatter needs the marker unhidden
             graphs.fold_gradient_copies(g.graph)
         graphs.annotate_phases(g.graph, inputs.kinds, split_optimizer=True)

@@ -130,3 +130,34 @@ def test_the_dynamo_door_refuses_the_same_and_takes_its_own_collective(fake_pg):
     torch._dynamo.reset()
     torch.compile(reduced_surgery_step, backend="spmd", options=options)(model, opt, x, y)
     assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+class MaxNormTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 16, max_norm=1.0)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.emb(x).mean(1))
+
+
+def test_embedding_max_norm_is_named(fake_pg):
+    """``nn.Embedding(max_norm=...)`` renormalizes, in forward and in place, the rows this
+    rank's batch looks up: under DDP the ranks' embedding weights differ after the first step.
+    The refusal says so and how to renormalize alike on every rank."""
+    torch.manual_seed(0)
+    model = MaxNormTagger()
+    with torch.no_grad():
+        model.emb.weight.mul_(3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x, y = torch.randint(0, 30, (6, 5)), torch.randint(0, 4, (6,))
+
+    def tagger_step(model, opt, x, y):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with pytest.raises(SpmdUsageError, match=r"parameter 'emb\.weight'.*nn\.Embedding\(max_norm="
+                                             r"\.\.\.\) does this"):
+        spmd_backend.compile()(tagger_step)(model, opt, x, y)

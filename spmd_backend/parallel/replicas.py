@@ -44,6 +44,7 @@ from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph.ops import (
     is_buffer_marker,
     is_collective,
+    is_copy_,
     is_grad_contribution_marker,
     is_grad_marker,
     is_grad_shard_marker,
@@ -65,6 +66,8 @@ class RankLocalWrite:
     target: str
     #: the rank-local input it depends on: "argument args[2][0]"
     source: str
+    #: the op that made the value written ("aten.embedding_renorm.default"), when known
+    via: str = ""
 
 
 #: a node's rank-local origin: None, a label, or one per element of a list output (nested)
@@ -104,7 +107,8 @@ def rank_local_writes(
                   if i < len(placeholders)}
     found: dict[str, RankLocalWrite] = {}
 
-    def report(target: fx.Node | None, origin: Taint, label: str | None = None) -> None:
+    def report(target: fx.Node | None, origin: Taint, label: str | None = None,
+               via: object = None) -> None:
         first = _first(origin)
         if first is None:
             return
@@ -112,7 +116,8 @@ def rank_local_writes(
             if target not in replicated:
                 return
             label = replicated[target]  # type: ignore[index]
-        found.setdefault(label, RankLocalWrite(label, first))
+        made_by = via.target if isinstance(via, fx.Node) else None
+        found.setdefault(label, RankLocalWrite(label, first, str(made_by or "")))
 
     for node in graph.nodes:
         if node.op == "output":
@@ -120,7 +125,7 @@ def rank_local_writes(
             for pos, label in replicated_outputs.items():
                 value = outs[pos] if pos < len(outs) else None
                 if isinstance(value, fx.Node):
-                    report(None, taint.get(value), label)
+                    report(None, taint.get(value), label, value)
             continue
         if node.op != "call_function" or _synchronizes(node):
             continue
@@ -136,7 +141,7 @@ def rank_local_writes(
         if per_element is not None:
             written, result = per_element
             for target, origin in written:
-                report(target, origin)
+                report(target, origin, via=node)
             if _first(result) is not None:
                 taint[node] = result
             continue
@@ -146,7 +151,7 @@ def rank_local_writes(
         taint[node] = origin
         # a mutation of a replicated input by a rank-local value: the write-back's copy_
         for target in written_nodes(node):
-            report(target, origin)
+            report(target, origin, via=node.args[1] if is_copy_(node) else node)
     return list(found.values())
 
 
@@ -266,11 +271,11 @@ def refuse_rank_local_writes(graph: fx.Graph, layout: StepLayout, binding: StepB
         replicated_outputs[out + k] = f"the gradient of {names[i]!r}"
     writes = rank_local_writes(graph, local_inputs, replicated_inputs, replicated_outputs)
     if writes:
-        raise drift_error(writes, "spmd_backend.compile")
+        raise drift_error(writes, "spmd_backend.compile", graph)
 
 
-def drift_error(writes: Sequence[RankLocalWrite], door: str) -> SpmdUsageError:
-    """The refusal of a step with rank-local writes, worded for ``door``
+def drift_error(writes: Sequence[RankLocalWrite], door: str, graph: fx.Graph) -> SpmdUsageError:
+    """The refusal of a step with rank-local writes in ``graph``, worded for ``door``
     ("spmd_backend.compile" or 'backend="spmd"')."""
     if door == "spmd_backend.compile":
         fix = ('or compile with torch.compile(step, backend="spmd") and dist.all_reduce the '
@@ -280,6 +285,12 @@ def drift_error(writes: Sequence[RankLocalWrite], door: str) -> SpmdUsageError:
         fix = ("or dist.all_reduce the gradients you compute before using them (the collective "
                "is captured in the graph); if that input holds the same values on every rank, "
                'pass options={"check_consistency": False}')
+    if any("embedding_renorm" in str(n.target) for n in graph.nodes):
+        # the rows this rank's batch looks up are renormalized in place in forward
+        fix += (". nn.Embedding(max_norm=...) does this: it renormalizes, in place and in "
+                "forward, the rows this rank's batch looks up, so under DDP too the ranks' "
+                "embedding weights differ after the first step; renormalize the weight in the "
+                "step after optimizer.step() instead (with torch.no_grad(), all rows alike)")
     return SpmdUsageError(
         f"{door}: {describe(writes)} without passing a gradient collective, so each rank "
         "would update it differently and the replicas would drift apart (DDP would too: it "
