@@ -8,10 +8,13 @@
    hyper-parameters are laid out per parameter and slot.
 2. :meth:`~StepFunction.run_user_step`: the user's function runs with the module
    reparametrized, the optimizer and GradScalers pointed at the lifted tensors, argument dicts
-   replaced by read-tracking copies, and buffers passed through ``buffer_sync`` markers.
+   replaced by read-tracking copies, and buffers passed through ``buffer_sync`` markers; the
+   Python state it can write is snapshotted before and compared after
+   (:mod:`spmd_backend.tracing.side_effects`: assignments replayed, other writes refused).
 3. :meth:`~StepFunction.collect_outputs`: the user's return value, the optimizer state created
-   or replaced by the step, the final gradients and (with a GradScaler) whether the optimizer
-   step was skipped become the graph outputs (filling the output half of the layout).
+   or replaced by the step, the final gradients, the values of its replayed Python writes and
+   (with a GradScaler) whether the optimizer step was skipped become the graph outputs
+   (filling the output half of the layout).
 4. :meth:`~StepFunction.write_back_inputs`: parameters, optimizer state and GradScaler state
    the step mutated get a ``copy_`` from their final value at the end of the graph (the
    optimizer region, which runs after every collective), so running the graph on the live
