@@ -49,8 +49,9 @@ from spmd_backend.runtime import (
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
 from spmd_backend.tracing.hyperparams import unfusing_lifts
-from spmd_backend.tracing.key import Guard, StepKey, module_state
+from spmd_backend.tracing.key import Guard, StepKey
 from spmd_backend.tracing.layout import StepLayout
+from spmd_backend.tracing.object_state import module_state
 from spmd_backend.tracing.overrides import Override
 from spmd_backend.tracing.shapes import ShapeGuard
 from spmd_backend.tracing.sharding import ShardSpec

@@ -45,7 +45,7 @@ from spmd_backend.parallel.replicas import drift_error, rank_local_writes
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.runtime import GuardedStep
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
-from spmd_backend.tracing.key import global_module_hooks
+from spmd_backend.tracing.object_state import global_module_hooks
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch
 
 from spmd_backend.dynamo.frame import trainable_parameters
 from spmd_backend.errors import SpmdUsageError
-from spmd_backend.tracing.key import GLOBAL_MODULE_HOOKS, global_module_hooks
+from spmd_backend.tracing.object_state import GLOBAL_MODULE_HOOKS, global_module_hooks
 
 
 class _Audit:
@@ -216,7 +216,7 @@ def refuse_gradient_hooks(params: dict[int, torch.Tensor], fqns: dict[int, str])
 
 def changed_global_hooks(at_compile: tuple[tuple[int, ...], ...]) -> list[str]:
     """The global module hook kinds registered or removed since ``at_compile`` (a
-    :func:`~spmd_backend.tracing.key.global_module_hooks` snapshot). Dynamo does not guard
+    :func:`~spmd_backend.tracing.object_state.global_module_hooks` snapshot). Dynamo does not guard
     them: a graph keeps running the global hooks it was compiled with."""
     now = global_module_hooks()
     return [name.strip("_").replace("_", " ")[:-1]

@@ -25,15 +25,12 @@ from torch.utils._pytree import GetAttrKey
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.free_values import free_values
 from spmd_backend.tracing.hyperparams import HyperSlot, lifted_slots
-from spmd_backend.tracing.key import (
-    StepKey,
-    global_context,
-    hashable,
+from spmd_backend.tracing.key import StepKey, global_context, hashable, tensor_spec
+from spmd_backend.tracing.object_state import (
     module_state,
     optimizer_attributes,
     optimizer_state_hooks,
     plain_attributes,
-    tensor_spec,
 )
 from spmd_backend.tracing.tracked import adapt_user_dicts, tree_key_path
 

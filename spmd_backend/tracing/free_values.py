@@ -51,7 +51,8 @@ import torch.nn as nn
 from torch.amp import GradScaler
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from spmd_backend.tracing.key import hashable, is_plain, module_state
+from spmd_backend.tracing.key import hashable, is_plain
+from spmd_backend.tracing.object_state import module_state
 
 #: attribute hops followed from a global or closure variable (``cfg.train.clip`` is two)
 MAX_DEPTH = 3

@@ -1,0 +1,177 @@
+"""The plain state of modules and of the optimizer object that a step's key holds.
+
+A traced graph bakes in the Python settings the modules' code reads (``self.scale``, a dropout's
+``p``, a config object's flags, an activation held as ``self.act``) and the hooks torch runs
+around them; a custom optimizer's own attributes likewise. :func:`module_state` collects, per
+module, its plain attributes (``training`` included; public lists, dicts and sets of plain
+values up to :data:`MAX_KEYED_CONTAINER` entries; functions by identity) and hook ids, then the
+plain attributes of the non-module objects the modules hold (a transformers config, a
+namespace of options), :data:`MAX_HELD_DEPTH` objects deep, then the global module hooks.
+:func:`optimizer_state_hooks` and :func:`optimizer_attributes` do the same for the optimizer
+object. :class:`~spmd_backend.tracing.key.StepKey` holds the results and explains changes.
+
+Guarantees: reads ``vars()`` only (no property or ``__getattr__`` runs); deterministic order;
+hashable results.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from spmd_backend.tracing.key import PLAIN_TYPE_SET, hashable, is_plain
+
+
+def _hook_ids(module: nn.Module) -> tuple:
+    return (
+        tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+        tuple(module._backward_pre_hooks), tuple(module._backward_hooks),
+    )
+
+
+#: attribute types that are never plain and never hold plain settings (module internals)
+_SKIPPED_TYPES = frozenset({dict, collections.OrderedDict, list, set})
+
+
+#: longest public list or dict attribute keyed by value (longer ones are metadata: id2label)
+MAX_KEYED_CONTAINER = 256
+
+
+#: levels of objects followed from a module (``self.opts.deep.scale`` is two)
+MAX_HELD_DEPTH = 3
+
+
+def _plain_container(value: Any) -> tuple | None:
+    """A list, dict or set of plain values (``self.mix = [0.3, 0.7]``,
+    ``self.cfg = {"scale": 2}``, ``self.skip = {"head"}``) as a hashable tuple; None when it
+    holds anything else or is long."""
+    if len(value) > MAX_KEYED_CONTAINER:
+        return None
+    if type(value) is list:
+        return ("list", tuple(value)) if all(is_plain(v) for v in value) else None
+    if type(value) is set:
+        return ("set", frozenset(value)) if all(is_plain(v) for v in value) else None
+    if type(value) is dict:
+        items = tuple(value.items())
+        return ("dict", items) if all(is_plain(k) and is_plain(v) for k, v in items) else None
+    return None
+
+
+def _attributes(obj: Any) -> tuple[tuple, list[tuple[str, Any]]]:
+    """``obj``'s plain attributes (public lists and dicts of plain values included), and the
+    other attributes worth a look (objects)."""
+    plain: list[tuple[str, Any]] = []
+    others: list[tuple[str, Any]] = []
+    for k, v in vars(obj).items():
+        t = type(v)
+        if t in PLAIN_TYPE_SET:
+            plain.append((k, v))
+        elif t in _SKIPPED_TYPES:
+            # a module's own bookkeeping (``_parameters``, hooks) is private; a public list or
+            # dict of numbers is a setting the forward may read
+            if not k.startswith("_"):
+                contents = _plain_container(v)
+                if contents is not None:
+                    plain.append((k, contents))
+            continue
+        elif is_plain(v):
+            plain.append((k, v))
+        elif _is_function(v):
+            # an activation or helper held as an attribute (``self.act = F.gelu``): swapping
+            # it changes the graph; keyed by identity
+            plain.append((k, ("function", v)))
+        else:
+            others.append((k, v))
+    return tuple(plain), others
+
+
+def _is_function(value: Any) -> bool:
+    return isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                              functools.partial))
+
+
+def plain_attributes(obj: Any) -> tuple:
+    return _attributes(obj)[0]
+
+
+def _is_attribute_object(value: Any) -> bool:
+    """A non-module object hanging off a module whose plain attributes a forward may read (a
+    transformers config, a dataclass of options)."""
+    if isinstance(value, (nn.Module, torch.Tensor, tuple, type)) or callable(value):
+        return False
+    try:
+        vars(value)
+    except TypeError:
+        return False
+    return True
+
+
+def module_state(modules: Sequence[tuple[str, nn.Module]]) -> tuple:
+    """Per module of ``modules`` (``named_modules()`` of the root): (fqn, plain attributes
+    including ``training``, hook ids); then the plain attributes of the objects modules hold
+    (a config), each once; then the global hooks."""
+
+    rows = []
+    seen: set[int] = set()
+    pending: list[tuple[str, Any, int]] = []
+    for name, mod in modules:
+        plain, others = _attributes(mod)
+        rows.append((name, plain, _hook_ids(mod)))
+        for attr, value in others:
+            if id(value) not in seen and _is_attribute_object(value):
+                seen.add(id(value))
+                pending.append((f"{name}.{attr}" if name else attr, value, 1))
+    held = []
+    for label, obj, depth in pending:  # grows while walked: objects held by held objects
+        plain, others = _attributes(obj)
+        held.append((label, plain))
+        if depth >= MAX_HELD_DEPTH:
+            continue
+        for attr, value in others:
+            if id(value) not in seen and _is_attribute_object(value):
+                seen.add(id(value))
+                pending.append((f"{label}.{attr}", value, depth + 1))
+    return (tuple(rows), tuple(held), global_module_hooks())
+
+
+#: torch.nn.modules.module's global hook dicts (``register_module_forward_hook``, ...)
+GLOBAL_MODULE_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                       "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def global_module_hooks() -> tuple[tuple[int, ...], ...]:
+    """The handles of the global module hooks registered now, per kind."""
+    from torch.nn.modules import module as module_mod
+
+    return tuple(tuple(getattr(module_mod, n, ())) for n in GLOBAL_MODULE_HOOKS)
+
+
+def optimizer_state_hooks(opt: torch.optim.Optimizer) -> tuple:
+    from torch.optim import optimizer as optim_mod
+
+    return (
+        tuple(opt._optimizer_step_pre_hooks), tuple(opt._optimizer_step_post_hooks),
+        tuple(optim_mod._global_optimizer_pre_hooks), tuple(optim_mod._global_optimizer_post_hooks),
+        hashable(opt.defaults),
+    )
+
+
+#: torch.optim bookkeeping that never changes what a step computes: an LR scheduler's
+#: "step was called" flag (set by the first step), the fused path's "devices checked" flag,
+#: a warning's and a profiler label
+_OPTIMIZER_BOOKKEEPING = frozenset({
+    "_opt_called", "_need_device_dtype_check_for_fused", "_warned_capturable_if_run_uncaptured",
+    "_zero_grad_profile_name",
+})
+
+
+def optimizer_attributes(opt: torch.optim.Optimizer) -> tuple:
+    """The optimizer object's own plain attributes (a custom optimizer's ``self.k`` that its
+    ``step()`` reads), without torch's bookkeeping."""
+    return tuple((k, v) for k, v in plain_attributes(opt) if k not in _OPTIMIZER_BOOKKEEPING)
