@@ -41,8 +41,11 @@ def test_a_process_that_retains_reuses_freed_blocks():
 
 
 def _job(rank: int, world_size: int) -> int:
-    return refault_pages()
+    # the fewest of three tries: a rank may be trimming (malloc_trim after a compile in another
+    # thread of an earlier test) while one try measures, which re-faults that try's blocks
+    return min(refault_pages() for _ in range(3))
 
 
 def test_the_suite_ranks_retain_freed_memory(rank_pool):
-    assert all(faults < 64 for faults in rank_pool.run(_job))
+    faults = rank_pool.run(_job)
+    assert all(f < 64 for f in faults), faults
