@@ -44,7 +44,6 @@ from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph.ops import (
     is_buffer_marker,
     is_collective,
-    is_copy_,
     is_grad_contribution_marker,
     is_grad_marker,
     is_grad_shard_marker,
@@ -66,8 +65,6 @@ class RankLocalWrite:
     target: str
     #: the rank-local input it depends on: "argument args[2][0]"
     source: str
-    #: the op that made the value written ("aten.embedding_renorm.default"), when known
-    via: str = ""
 
 
 #: a node's rank-local origin: None, a label, or one per element of a list output (nested)
@@ -107,8 +104,7 @@ def rank_local_writes(
                   if i < len(placeholders)}
     found: dict[str, RankLocalWrite] = {}
 
-    def report(target: fx.Node | None, origin: Taint, label: str | None = None,
-               via: object = None) -> None:
+    def report(target: fx.Node | None, origin: Taint, label: str | None = None) -> None:
         first = _first(origin)
         if first is None:
             return
@@ -116,8 +112,7 @@ def rank_local_writes(
             if target not in replicated:
                 return
             label = replicated[target]  # type: ignore[index]
-        made_by = via.target if isinstance(via, fx.Node) else None
-        found.setdefault(label, RankLocalWrite(label, first, str(made_by or "")))
+        found.setdefault(label, RankLocalWrite(label, first))
 
     for node in graph.nodes:
         if node.op == "output":
@@ -125,7 +120,7 @@ def rank_local_writes(
             for pos, label in replicated_outputs.items():
                 value = outs[pos] if pos < len(outs) else None
                 if isinstance(value, fx.Node):
-                    report(None, taint.get(value), label, value)
+                    report(None, taint.get(value), label)
             continue
         if node.op != "call_function" or _synchronizes(node):
             continue
@@ -141,7 +136,7 @@ def rank_local_writes(
         if per_element is not None:
             written, result = per_element
             for target, origin in written:
-                report(target, origin, via=node)
+                report(target, origin)
             if _first(result) is not None:
                 taint[node] = result
             continue
@@ -151,7 +146,7 @@ def rank_local_writes(
         taint[node] = origin
         # a mutation of a replicated input by a rank-local value: the write-back's copy_
         for target in written_nodes(node):
-            report(target, origin, via=node.args[1] if is_copy_(node) else node)
+            report(target, origin)
     return list(found.values())
 
 
