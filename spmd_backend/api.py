@@ -35,7 +35,7 @@ from spmd_backend import pipeline
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph.utils import emit_graph_artifact
 from spmd_backend.memory import release_freed_heap
-from spmd_backend.parallel.consistency import check_consistency, graph_signature
+from spmd_backend.parallel.consistency import check_consistency, graph_signature, signature_digest
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
 from spmd_backend.parallel.replicas import refuse_rank_local_writes
 from spmd_backend.parallel.sharded_state import prepare_sharding
@@ -97,6 +97,8 @@ class CompiledGraph:
     #: (module, training) the step's own ``model.train()``/``eval()`` set while tracing; the
     #: graph's replays do not run Python, so each successful run sets them again
     mode_effects: tuple[tuple[nn.Module, bool], ...] = ()
+    #: digest of what ranks must agree on (state inputs, collective schedule); "" unchecked
+    schedule: str = ""
 
     @property
     def layout(self) -> StepLayout:
@@ -139,6 +141,8 @@ class CompiledTrainStep:
         #: optimizer id -> param groups traced single-tensor instead of fused (see _unfuse)
         self._unfused: dict[int, frozenset[int]] = {}
         self.trace_count = 0
+        #: cross-rank checks of this step's graphs posted so far (they key the store rounds)
+        self._consistency_rounds = 0
         #: this rank's place in the optimizer sharding (``shard_optimizer=True``), set on first use
         self._shard_spec: ShardSpec | None = None
         functools.update_wrapper(self, fn)
@@ -283,8 +287,9 @@ class CompiledTrainStep:
             refuse_rank_local_writes(gm.graph, traced.layout, binding)
         expansion = pipeline.expand(gm, self._config)
         emit_graph_artifact(f"spmd_step_{self._step_id}_trace_{self.trace_count}", gm.graph)
+        schedule = ""
         if mode.check_consistency:  # before any collective, the initial broadcast included
-            self._check_consistency(traced, mode)
+            schedule = self._check_consistency(traced, mode)
         # the graph check above covered the state inputs: no second round through the store
         pipeline.sync([*binding.params, *binding.buffers], self._config, verify=False)
         bootstrap = traced.layout.creates_state
@@ -316,6 +321,7 @@ class CompiledTrainStep:
             compile_seconds=time.perf_counter() - t0,
             rollback=rollback,
             mode_effects=mode_effects,
+            schedule=schedule,
         )
         if not bootstrap:
             self._cache.setdefault(key, []).append(entry)
@@ -335,13 +341,22 @@ class CompiledTrainStep:
             log_plan(rollback, self._name, traced.layout.gather(binding))
         return rollback
 
-    def _check_consistency(self, traced: TracedStep, mode: DataParallel) -> None:
-        # the expanded graph: transformations are deterministic functions of it
-        lines = graph_signature(traced.gm.graph)
-        name = getattr(self.fn, "__qualname__", "train_step")
-        check_consistency(
-            lines, f"{name}#{self._step_id}/{self.trace_count}", mode.process_group(),
-            mode.consistency_timeout_s,
+    def _check_consistency(self, traced: TracedStep, mode: DataParallel) -> str:
+        """Agree with the other ranks on the new graph's state inputs and collectives; returns
+        their digest. A graph whose digest is that of the graph this rank ran last needs no new
+        round: its peers run that schedule. So one rank may retrace alone (its last batch is
+        smaller, its padded length changed) while the others replay their graph, as with DDP;
+        before, it waited for peers that never post and failed after the timeout."""
+        lines = graph_signature(traced.gm.graph)  # the expanded graph: passes are deterministic
+        digest = signature_digest(lines)
+        if self._last is not None and self._last.schedule == digest:
+            log.info("spmd_backend: %s's new graph has the state inputs and collectives of the "
+                     "one it replaces; no new agreement with the other ranks", self._name)
+            return digest
+        self._consistency_rounds += 1
+        return check_consistency(
+            lines, f"{self._name}#{self._step_id}/{self._consistency_rounds}",
+            mode.process_group(), mode.consistency_timeout_s,
         )
 
     @staticmethod

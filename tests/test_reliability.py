@@ -168,6 +168,65 @@ def test_different_batch_sizes_per_rank_are_allowed(rank_pool):
     assert a == pytest.approx(b)
 
 
+def _lone_new_graph_job(rank: int, world: int, door: str) -> dict:
+    """Rank 1's batch shrinks from step 4 on (a last, smaller batch): it alone needs a new
+    graph, Inductor in the background included, while rank 0 replays its own."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+    from spmd_backend.lowering import background
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    if door == "compile":
+        step = spmd_backend.compile(
+            gm_transformation=GraphModuleTransformation(
+                enable_graph_optimization=True, enable_inductor=True, background_compile=True),
+            parallel_mode=DataParallel(reduce_op="avg", consistency_timeout_s=20),
+        )(_step)
+    else:
+        step = torch.compile(_step, backend="spmd", options={"background_compile": True})
+    known = set(background._LIVE)
+    graphs: list[list] = []  # the graphs that began on each step
+    gen = torch.Generator().manual_seed(rank)
+    for i in range(8):
+        batch = torch.randn(3 if rank == 1 and i >= 4 else 8, 8, generator=gen)
+        step(model, opt, batch)
+        _step(ddp, ref_opt, batch)
+        graphs.append([m for m in list(background._LIVE) if m not in known and m.calls])
+        known.update(graphs[-1])
+        if i == 5:  # the new graph has started its worker (its second call)
+            background.wait_for_background(timeout=300)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    torch.distributed.all_gather(gathered, flat)
+    return {
+        "states": [[m.state for m in began] for began in graphs],
+        "ddp_diff": max((p - q).abs().max().item()
+                        for p, q in zip(model.parameters(), ref.parameters())),
+        "replica_diff": max((g - flat).abs().max().item() for g in gathered),
+    }
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_a_rank_whose_batch_changes_alone_gets_its_own_graph(rank_pool, door):
+    # before: the compile door's new graph waited for the others' agreement (which they never
+    # post) and failed after the timeout; the Dynamo door's background compile paired its
+    # all_gather_object with rank 0's gradient all_reduce and hung
+    first, second = rank_pool.run(_lone_new_graph_job, door, timeout=400)
+    assert first["states"][4:] == [[]] * 4, first  # rank 0: no new graph
+    # rank 1: one new graph on step 4, switched alone once its worker was in
+    assert second["states"][4:] == [["compiled"], [], [], []], second
+    for r in (first, second):
+        assert r["ddp_diff"] < 1e-5, r
+        assert r["replica_diff"] < 1e-5, r
+
+
 # ----------------------------------------------------------------------------- faults
 def _failing_rank_job(rank: int, world: int) -> str:
     model = MLP(8, 16, 2, 4)

@@ -15,33 +15,35 @@ process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
   serialized copy, node for node, the same Inductor and AOTAutograd configuration, fake inputs, a fake process group under
   each collective's group name) and so fills the cache. A graph called once (a setup graph)
   never pays for the copy or a worker.
-- One worker per host and graph: on that second call the ranks of the graph's group exchange
-  the key of what their worker would compile (:func:`~spmd_backend.lowering.handover.make_payload`)
-  with their host name and Inductor cache folder; of each set of ranks with all three equal,
-  the lowest compiles and the others wait for its worker's status file, then load the same
-  cache entry. (8 ranks on a node compile once, not 8 times on the cores training uses.)
+- One worker per host and graph: on that second call the ranks running the same graph post to
+  the c10d store the key of what their worker would compile
+  (:func:`~spmd_backend.lowering.handover.make_payload`) with their host name and Inductor cache
+  folder; of each set of ranks with all three equal, the lowest compiles and the others wait for
+  its worker's status file, then load the same cache entry. (8 ranks on a node compile once,
+  not 8 times on the cores training uses.) How the ranks agree, without a collective, is
+  :mod:`spmd_backend.lowering.agreement`'s: a graph only one rank has (its batch alone changed)
+  must never issue one.
 - A warm start switches at once: on that second call each rank first compiles the copy from
   AOTAutograd's and Inductor's caches alone (:func:`~spmd_backend.lowering.inductor.cache_only`:
   a miss raises instead of compiling, so a cold start loses only the key computation); when
-  every rank found it (the same exchange says so), all run Inductor's code from that call on and
+  every rank found it (their entries say so), all run Inductor's code from that call on and
   no worker starts. Otherwise the worker path below runs (a rank that found it is simply ready).
 - Every call before the switch runs the fx graph: the same graph, the same collectives, fx's
   eager kernels. When the worker has finished, this process compiles the identical copy, which
-  is a cache hit (seconds), and the ranks of the graph's process group agree, with one small
-  all_reduce per call until they do, to switch on the same call: replicas never run different
-  kernels for the same step. A worker that fails (the one a rank waits on included), or a load
-  that fails, on any rank keeps every rank on the fx graph, with one warning that says why.
+  is a cache hit (seconds); the ranks running the graph switch on the same call, the one after
+  the last of them became ready: replicas never run different kernels for the same step of the
+  same graph. A worker that fails (the one a rank waits on included), or a load that fails, on
+  any rank keeps every rank on the fx graph, with one warning that says why.
 - Whatever runs, results are those of the graph (fx's or Inductor's rounding; which call switches
   depends on how fast the worker compiles, so runs are reproducible only to rounding: pass
   ``background_compile=False`` for the blocking compile).
 - :func:`pending` counts the modules of this process whose worker has started and whose switch
-  is still open (the same on every rank after each call); :func:`wait_for_background` blocks
+  is still open; :func:`wait_for_background` blocks
   until their workers have finished; a worker is killed when its module is garbage-collected.
 
 Falls back to the blocking :func:`lower_to_inductor` (logged) where a background compile cannot
-hand its result over: the cache switched off (at once), or on the second call, on every rank
-when it is so on any (the ranks decide it together in the same exchange): an input that is not
-a plain tensor or number, inputs that share storage, a fake tensor constant with elements
+hand its result over: the cache switched off (at once), or, on the second call, on a rank whose
+graph has an input that is not a plain tensor or number, inputs that share storage, a fake tensor constant with elements
 (constants without elements, such as an empty key/value cache, become ``empty_strided`` calls),
 a graph that cannot be serialized.
 """
@@ -64,11 +66,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
 from spmd_backend.graph import serialize
+from spmd_backend.lowering.agreement import READY, Entry, SwitchAgreement, graph_identity
 from spmd_backend.lowering.compile_worker import fake_inputs
 from spmd_backend.lowering.handover import Settings, capture_settings, group_names, make_payload
 from spmd_backend.lowering.inductor import (
@@ -128,6 +130,7 @@ class BackgroundLowered(nn.Module):
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched = False  # the switch is open from here on (even if the launch failed)
         self._compiled: InductorModule | None = None
+        self._agreement = SwitchAgreement(None, None)  # replaced on the second call
         self._local = COMPILING
         self._why = ""
         self.state = COMPILING
@@ -181,53 +184,34 @@ class BackgroundLowered(nn.Module):
     def _start(self) -> None:
         self._launched = True
         key = self._prepare()
-        cached = key is not None and self._compile_cached()
-        everyone_ok, leader, everyone_cached = self._exchange(key, cached)
-        if everyone_cached:  # decided together: every rank switches on this call, no worker
-            self.state, self.switched_at_call = COMPILED, self.calls
-            log.info("switched to Inductor's code at call %d: the caches held it (no worker)",
-                     self.calls)
-            _stop(None, self._folder)
-            self._flat, self._payload = None, b""
-            return
-        if cached:  # this rank is ready; the others compile (its worker may serve them)
+        self._agreement = SwitchAgreement(self._group_name, graph_identity(self.source))
+        if key is not None and self._compile_cached():  # a warm start: ready, no worker needed
             self._local = COMPILED
-        if not everyone_ok:  # decided together: every rank compiles now
-            log.info("background compile: the graph or its inputs cannot be handed to a worker "
-                     "on some rank; compiling now")
-            self._compile_now()
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        mine = Entry(f"{socket.gethostname()}:{os.path.realpath(cache_dir())}", key,
+                     os.path.join(self._folder, "graph.pkl.done"), self._local == COMPILED)
+        election = self._agreement.elect(mine, self.calls)
+        if key is None:  # this rank cannot hand the graph over: it compiles now
+            log.info("background compile: the graph or its inputs cannot be handed to a worker; "
+                     "compiling now")
+            self._compile_here()
             return
+        if election.everyone_cached:  # nobody loads a worker's result
+            return
+        leader = election.leader
         if leader is not None:
-            self._shared_done, self._payload = leader, b""  # no worker of its own
-            self._started = time.perf_counter()  # the switch's log counts from here
-            log.info("the step graph is compiled in the background by another rank on this "
-                     "host (the same graph and cache); this rank loads its result")
+            if self._local != COMPILED:
+                self._shared_done = leader  # no worker of its own
+                self._started = time.perf_counter()  # the switch's log counts from here
+                log.info("the step graph is compiled in the background by another rank on "
+                         "this host (the same graph and cache); this rank loads its result")
+            self._payload = b""
             return
         try:
             self._launch()
-        except OSError as e:  # decided with the other ranks on the next call, like any failure
+        except OSError as e:  # agreed with the other ranks like any failure
             self._local, self._why = FAILED, f"the compile worker could not start: {e}"
-
-    def _exchange(self, key: str | None, cached: bool) -> tuple[bool, str | None, bool]:
-        """(every rank has a payload, the status file of the worker this rank waits on, every
-        rank compiled from the caches). One worker per host and graph: the ranks of the group
-        exchange (graph key, host and Inductor cache, this rank's worker status file, cached);
-        the lowest rank of each set of equals compiles, the others get its status file (None:
-        this rank compiles)."""
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        mine = (key, f"{socket.gethostname()}:{os.path.realpath(cache_dir())}",
-                os.path.join(self._folder, "graph.pkl.done"), cached)
-        entries: list[Any] = [mine]
-        if self._group_name is not None:
-            pg = dist.distributed_c10d._resolve_process_group(self._group_name)
-            entries = [None] * pg.size()
-            dist.all_gather_object(entries, mine, group=pg)
-        everyone_cached = all(e[3] for e in entries)
-        if any(e[0] is None for e in entries):
-            return False, None, everyone_cached
-        first = next(e for e in entries if e[:2] == mine[:2])
-        return True, None if first[2] == mine[2] else str(first[2]), everyone_cached
 
     @contextlib.contextmanager
     def _compile_context(self) -> Iterator[None]:
@@ -243,14 +227,14 @@ class BackgroundLowered(nn.Module):
                 torch._subclasses.fake_tensor.unset_fake_temporarily():
             yield
 
-    def _compile_now(self) -> None:
-        """The blocking compile, on the call every rank decided it (the fx graph on failure)."""
+    def _compile_here(self) -> None:
+        """The blocking compile, in this process; this rank is then ready (or failed)."""
         with self._compile_context():
             module = lower_to_inductor(self.source)
         if isinstance(module, InductorModule):
-            self._compiled, self.state, self.switched_at_call = module, COMPILED, self.calls
+            self._compiled, self._local = module, COMPILED
         else:
-            self.state = FAILED
+            self._local, self._why = FAILED, "Inductor could not compile it (see the log above)"
 
     def _launch(self) -> None:
         path = os.path.join(self._folder, "graph.pkl")
@@ -308,36 +292,30 @@ class BackgroundLowered(nn.Module):
                         "compiled the graph again")
         self._local = COMPILED
 
-    def _agree(self) -> tuple[bool, bool]:
-        """(every rank compiled, some rank failed), the same answer on every rank."""
-        flags = [int(self._local == COMPILED), int(self._local == FAILED)]
-        if self._group_name is None:
-            return bool(flags[0]), bool(flags[1])
-        pg = dist.distributed_c10d._resolve_process_group(self._group_name)
-        device = torch.device("cuda", torch.cuda.current_device()) if (
-            dist.get_backend(pg) == "nccl") else torch.device("cpu")
-        t = torch.tensor(flags, dtype=torch.int32, device=device)
-        dist.all_reduce(t, group=pg)
-        ready, failed = (int(x) for x in t.tolist())
-        return ready == pg.size(), failed > 0
-
     def _settle(self) -> None:
-        self._advance_local()
-        all_ready, any_failed = self._agree()
-        if any_failed:
+        """Post this rank's state once it is decided; switch (or give up) when the ranks that
+        run this graph agree (see lowering.agreement)."""
+        if self._local != COMPILING:
+            self._agreement.post(READY if self._local == COMPILED else FAILED, self.calls)
+        verdict = self._agreement.verdict(self.calls)
+        if verdict == FAILED:
             self.state = FAILED
             why = self._why or "it failed on another rank"
             log.warning("Inductor could not compile the step graph in the background (%s); "
                         "running the fx graph instead", why)
             _stop(self._proc, self._folder)
             self._compiled = self._flat = None
-        elif all_ready:
+        elif verdict == READY:
             self.state = COMPILED
             self.switched_at_call = self.calls
-            log.info("switched to Inductor's code at call %d, %.1fs after the compile started",
-                     self.calls, time.perf_counter() - self._started)
+            if self._proc is None and self._shared_done is None:
+                log.info("switched to Inductor's code at call %d: compiled without a worker "
+                         "(the caches held it, or it could not be handed to one)", self.calls)
+            else:
+                log.info("switched to Inductor's code at call %d, %.1fs after the compile "
+                         "started", self.calls, time.perf_counter() - self._started)
             _stop(None, self._folder)
-            self._flat = None
+            self._flat, self._payload = None, b""
 
     # ------------------------------------------------------------------ running
     def forward(self, *args: Any) -> Any:
@@ -348,6 +326,8 @@ class BackgroundLowered(nn.Module):
                 if self.calls >= 1:
                     self._start()
             else:
+                self._advance_local()
+            if self._launched:
                 self._settle()
             if self.state == COMPILED:
                 self.calls += 1

@@ -52,6 +52,11 @@ def graph_signature(graph: fx.Graph) -> list[str]:
     return lines
 
 
+def signature_digest(lines: list[str]) -> str:
+    """A short identity of a signature (equal lines, equal digest)."""
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def default_store() -> dist.Store:
     """The default process group's store (the one every check of this module posts to)."""
     from torch.distributed.distributed_c10d import _get_default_store
@@ -65,7 +70,7 @@ def check_consistency(
 ) -> str:
     """Post ``lines`` under ``key`` and compare with every rank of ``group``; returns the digest.
     ``what`` names what the lines describe in the error messages; ``hint`` ends them."""
-    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digest = signature_digest(lines)
     world = dist.get_world_size(group)
     if world == 1 or dist.get_backend(group) == "fake":
         return digest  # nobody to disagree with (the fake backend has no real peers)
