@@ -505,3 +505,37 @@ def test_lr_scheduler_bookkeeping_does_not_retrace(fake_pg, caplog):
             sched.step()
     assert getattr(opt, "_opt_called", False)
     assert compiled.trace_count == 1, retrace_messages(caplog)
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids).mean(1))
+
+
+def test_a_size_that_changes_names_how_to_trace_it_symbolically(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = Tokens()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(step)
+    compiled(model, opt, torch.randint(0, 16, (4, 5)))
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        compiled(model, opt, torch.randint(0, 16, (4, 7)))  # a padded length changed
+        compiled(model, opt, torch.randint(0, 16, (6, 7)))  # a batch size changed
+    first, second = retrace_messages(caplog)
+    assert "shape=[4, 5]" in first and "shape=[4, 7]" in first, first
+    assert "spmd_backend.mark_dynamic(tensor, [1]) on each call's tensor" in first, first
+    assert "dynamic_batch=True" in second and "mark_dynamic" not in second, second
+    # following the hint: one graph for every length (0 and 1 stay specialized)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    marked = spmd_backend.compile()(step)
+    for n in (5, 7, 9):
+        ids = torch.randint(0, 16, (4, n))
+        loss = marked(model, opt, spmd_backend.mark_dynamic(ids, [1]))
+        torch.testing.assert_close(loss, step(twin, twin_opt, ids))
+    assert marked.cache_size() == 1

@@ -240,7 +240,26 @@ def _explain_args(old: tuple, new: tuple, binding: Any) -> str | None:
     if i is None:
         return None
     return (f"argument {binding.arg_paths()[i]} changed from {fmt(old[i])} to {fmt(new[i])}"
-            f"{number_hint(old[i], new[i])}")
+            f"{number_hint(old[i], new[i])}{shape_hint(old[i], new[i])}")
+
+
+def shape_hint(old: Any, new: Any) -> str:
+    """For a tensor argument whose sizes alone changed: how to trace those dims symbolically,
+    so one graph serves every size (empty otherwise)."""
+    specs = [s for s in (old, new) if isinstance(s, tuple) and len(s) == 5 and s[0] == "tensor"]
+    if len(specs) != 2 or specs[0][2:] != specs[1][2:] or len(specs[0][1]) != len(specs[1][1]):
+        return ""
+    dims = [d for d, (a, b) in enumerate(zip(specs[0][1], specs[1][1])) if a != b]
+    if not dims:
+        return ""
+    if dims == [0]:
+        return (" (a batch size that changes between calls: spmd_backend.compile(..., "
+                "dynamic_batch=True) traces dim 0 of the tensor arguments symbolically, so one "
+                "graph can serve every size; where the model fixes it, the log says so)")
+    return (f" (sizes that change between calls, such as a padded sequence length: "
+            f"spmd_backend.mark_dynamic(tensor, {dims}) on each call's tensor traces them "
+            "symbolically, so one graph can serve every size; where the model fixes them, the "
+            "log says so)")
 
 
 def number_hint(old: Any, new: Any) -> str:
