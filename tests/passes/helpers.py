@@ -4,7 +4,7 @@ compare a transformed run with an untransformed one."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,8 +56,10 @@ def run_pair(
     steps: int = 4,
     model_factory: Callable[[], nn.Module] = Net,
     last_train_step: bool = True,
+    batch_sizes: Sequence[int] = (),
 ) -> tuple[Any, nn.Module, nn.Module]:
-    """Train the same model with and without ``transformation``; return (compiled, a, b)."""
+    """Train the same model with and without ``transformation``; return (compiled, a, b).
+    ``batch_sizes``: one per step (default 8 each)."""
     torch.manual_seed(0)
     model = model_factory()
     ref = copy.deepcopy(model)
@@ -66,7 +68,7 @@ def run_pair(
     plain = spmd_backend.compile()(step_fn)
     gen = torch.Generator().manual_seed(1)
     for i in range(steps):
-        batch = torch.randn(8, 16, generator=gen)
+        batch = torch.randn(batch_sizes[i] if batch_sizes else 8, 16, generator=gen)
         iterative = isinstance(compiled.compiled, IterGraphModule)
         kwargs = {"last_train_step": True} if last_train_step and iterative and i == steps - 1 else {}
         compiled(model, opt, batch, **kwargs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from helpers import Net, assert_same_training, run_pair
 
@@ -54,6 +56,21 @@ def test_move_by_module_fqn_matches_unmoved(fake_pg, optim_kind, commit_late):
     )
     assert_same_training(model, ref)
     assert any("layers.2.weight" in params for _, params in seen)
+
+
+def test_a_retrace_first_runs_the_work_the_last_call_moved(fake_pg, caplog):
+    # a smaller batch needs a new graph; the moved bucket's all_reduce and optimizer update of
+    # the call before used to be dropped (0.04 off, silently), and the first graph, cached,
+    # kept its stale carried values for when it ran again
+    with caplog.at_level(logging.INFO, logger="spmd_backend.api"):
+        compiled, model, ref = run_pair(
+            mover(ModuleTarget("layers.2"), ModuleTarget("layers.2")), model_factory=wide,
+            steps=7, batch_sizes=[8, 8, 8, 6, 6, 8, 8],
+        )
+    assert_same_training(model, ref)
+    assert compiled.cache_size() == 2
+    flushed = [r.getMessage() for r in caplog.records if "switches graphs" in r.getMessage()]
+    assert len(flushed) == 2, flushed  # leaving the batch-8 graph, then the batch-6 graph
 
 
 def test_move_by_names_matches_unmoved(fake_pg):
