@@ -35,7 +35,12 @@ from spmd_backend import pipeline
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph.utils import emit_graph_artifact
 from spmd_backend.memory import release_freed_heap
-from spmd_backend.parallel.consistency import check_consistency, graph_signature, signature_digest
+from spmd_backend.parallel.consistency import (
+    check_consistency,
+    graph_signature,
+    post_failure,
+    signature_digest,
+)
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
 from spmd_backend.parallel.replicas import refuse_rank_local_writes
 from spmd_backend.parallel.sharded_state import prepare_sharding
@@ -270,38 +275,14 @@ class CompiledTrainStep:
         if binding.aux_objects and binding.params:
             prepare_grad_scalers(binding.aux_objects, binding.params[0].device)
         t0 = time.perf_counter()
-        modes = [m.training for _, m in binding.modules]
         try:
-            traced = trace_train_step(
-                self.fn,
-                binding,
-                mark_buffers=mode.broadcast_buffers and bool(binding.buffers),
-                overrides=self.module_override,
-                recompile=False,
-                shard=self._shard_spec if binding.optimizer is not None else None,
-            )
-        finally:
-            # ``model.train()`` inside the step: the entry replays the switch after each
-            # successful run (a failed call leaves the modes as they were)
-            mode_effects = tuple(
-                (m, m.training) for (_, m), before in zip(binding.modules, modes)
-                if m.training != before
-            )
-            for (_, m), before in zip(binding.modules, modes):
-                m.training = before
-        self.trace_count += 1
-        after = dataclasses.replace(key, modules=module_state(binding.modules),
-                                    free_values=binding.free_values())
-        if after != key:  # the step itself changed what the key holds: it will not replay that
-            log.warning(
-                "spmd_backend: tracing %s changed what it reads (%s); the compiled graph "
-                "does not repeat Python side effects, so the next call retraces", self._name,
-                key.explain(after, binding),
-            )
+            traced, expansion, mode_effects = self._trace(binding, key, mode)
+        except Exception as e:
+            if mode.check_consistency:  # the others need not wait for this rank's graph
+                post_failure(self._round_key(self._consistency_rounds + 1), mode.process_group(),
+                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            raise
         gm = traced.gm
-        if mode.check_consistency:  # on the markers, before they become collectives
-            refuse_rank_local_writes(gm.graph, traced.layout, binding)
-        expansion = pipeline.expand(gm, self._config)
         emit_graph_artifact(f"spmd_step_{self._step_id}_trace_{self.trace_count}", gm.graph)
         schedule = ""
         if mode.check_consistency:  # before any collective, the initial broadcast included
@@ -350,6 +331,44 @@ class CompiledTrainStep:
         )
         return entry
 
+    def _trace(
+        self, binding: StepBinding, key: StepKey, mode: DataParallel
+    ) -> tuple[TracedStep, ExpansionReport, tuple[tuple[nn.Module, bool], ...]]:
+        """Trace the step and expand its markers into collectives (no collective runs)."""
+        modes = [m.training for _, m in binding.modules]
+        try:
+            traced = trace_train_step(
+                self.fn,
+                binding,
+                mark_buffers=mode.broadcast_buffers and bool(binding.buffers),
+                overrides=self.module_override,
+                recompile=False,
+                shard=self._shard_spec if binding.optimizer is not None else None,
+            )
+        finally:
+            # ``model.train()`` inside the step: the entry replays the switch after each
+            # successful run (a failed call leaves the modes as they were)
+            mode_effects = tuple(
+                (m, m.training) for (_, m), before in zip(binding.modules, modes)
+                if m.training != before
+            )
+            for (_, m), before in zip(binding.modules, modes):
+                m.training = before
+        self.trace_count += 1
+        after = dataclasses.replace(key, modules=module_state(binding.modules),
+                                    free_values=binding.free_values())
+        if after != key:  # the step itself changed what the key holds: it will not replay that
+            log.warning(
+                "spmd_backend: tracing %s changed what it reads (%s); the compiled graph "
+                "does not repeat Python side effects, so the next call retraces", self._name,
+                key.explain(after, binding),
+            )
+        gm = traced.gm
+        if mode.check_consistency:  # on the markers, before they become collectives
+            refuse_rank_local_writes(gm.graph, traced.layout, binding)
+        expansion = pipeline.expand(gm, self._config)
+        return traced, expansion, mode_effects
+
     def _rollback_plan(self, runner: Any, traced: TracedStep, binding: StepBinding) -> RollbackPlan:
         """What each call snapshots so that a failure can restore it (logged with its size)."""
         rollback = rollback_plan(runner, traced.gm.graph, traced.layout.n_inputs)
@@ -371,9 +390,13 @@ class CompiledTrainStep:
             return digest
         self._consistency_rounds += 1
         return check_consistency(
-            lines, f"{self._name}#{self._step_id}/{self._consistency_rounds}",
-            mode.process_group(), mode.consistency_timeout_s,
+            lines, self._round_key(self._consistency_rounds), mode.process_group(),
+            mode.consistency_timeout_s,
         )
+
+    def _round_key(self, round_no: int) -> str:
+        """The store key of this step's ``round_no``-th cross-rank check."""
+        return f"{self._name}#{self._step_id}/{round_no}"
 
     @staticmethod
     def _collectives(entry: CompiledGraph) -> str:

@@ -183,6 +183,26 @@ def test_arithmetic_on_item_is_refused_naming_it(fake_pg):
     assert_untouched(before, model, opt)
 
 
+def test_formatting_item_in_the_step_is_refused_saying_why(fake_pg):
+    model, opt = make()
+    before = snapshot(model, opt)
+
+    @spmd_backend.compile()
+    def step(model, optim, batch):
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        print(f"loss {loss.item():.4f}")  # rank-0 logging inside the step, as DDP loops do
+        optim.step()
+        return loss.detach()
+
+    with pytest.raises(SpmdTraceError) as info:
+        step(model, opt, torch.randn(2, 8))
+    message = str(info.value)
+    assert "uses a number read from a tensor (.item(), float(t)) as a Python value" in message
+    assert 'print(f"loss {loss.item():.4f}")' in message and "Return the tensor" in message
+    assert_untouched(before, model, opt)
+
+
 def test_decision_inside_a_torch_module_names_its_line(fake_pg):
     """BatchNorm with momentum=None reads num_batches_tracked as a Python number on every
     step: the refusal names torch's line and the module setting, not only the step's line."""

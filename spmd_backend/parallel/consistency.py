@@ -8,8 +8,9 @@ dtypes) and every collective in order (op, reduce op, group, payload shape and d
 parameters of its bucket). Activation shapes and the compute between collectives are not part
 of it, so ranks may use different batch sizes, as with DDP. A mismatch
 raises :class:`~spmd_backend.errors.SpmdDistributedError` on every rank, naming the first
-differing node; a rank that never posts (it failed, or did not trace at this step) makes the
-others fail after the timeout instead of hanging in a collective.
+differing node; a rank whose trace failed posts that instead (:func:`post_failure`), and the
+others raise at once naming its error; a rank that never posts (it died, or did not trace at
+this step) makes the others fail after the timeout instead of hanging in a collective.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def default_store() -> dist.Store:
     return _get_default_store()
 
 
+def post_failure(key: str, group: dist.ProcessGroup, message: str) -> None:
+    """Tell the ranks waiting in :func:`check_consistency` under ``key`` that this rank failed
+    before it could post (its trace raised ``message``): they raise at once, naming it, instead
+    of after their timeout. Does not wait; a no-op without peers."""
+    if dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
+        return
+    payload = json.dumps({"digest": "", "lines": [], "failed": message[:500]})
+    default_store().set(f"spmd/{group.group_name}/{key}/{dist.get_rank(group)}", payload)
+
+
 def check_consistency(
     lines: list[str], key: str, group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S,
     what: str = "compiled graph", hint: str = "",
@@ -93,6 +104,12 @@ def check_consistency(
         if r == rank:
             continue
         other = json.loads(store.get(k))
+        if other.get("failed"):
+            raise SpmdDistributedError(
+                f"spmd_backend: rank {r} failed while building its {what} ({key}), before any "
+                f"collective of it: {other['failed']}. This rank stops here too; nothing it "
+                "holds was changed"
+            )
         if other["digest"] == digest:
             continue
         theirs = other["lines"]

@@ -192,4 +192,14 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             "values. Keep the value a tensor (torch.where instead of if, no .item() in the "
             f"step) or move it out of the step. ({type(e).__name__}: {msg.splitlines()[0][:200]})"
         )
+    if isinstance(e, TypeError) and any(f"Sym{k}" in msg for k in ("Float", "Int", "Bool")):
+        # ``f"{loss.item():.4f}"``: the number is a symbol while the step is traced
+        return SpmdTraceError(
+            f"the train step uses a number read from a tensor (.item(), float(t)) as a Python "
+            f"value{at}: while the step is traced it is a symbol, and the compiled graph replays "
+            "tensor operations only, so Python that formats or prints it runs once, with no "
+            "call's value. Return the tensor (loss.detach()) and format it after the call, or "
+            'compile with torch.compile(step, backend="spmd"), which runs that Python on every '
+            f"call. ({type(e).__name__}: {msg.splitlines()[0][:200]})"
+        )
     return SpmdTraceError(f"tracing the train step failed{at}: {type(e).__name__}: {msg}")
