@@ -221,7 +221,10 @@ class CompiledTrainStep:
         if not self.parallel_mode.shard_optimizer or binding.optimizer is None:
             return False
         pg = self.parallel_mode.process_group()
-        self._shard_spec, changed = prepare_sharding(binding.optimizer, pg, self._shard_spec)
+        self._shard_spec, changed = prepare_sharding(
+            binding.optimizer, pg, self._shard_spec,
+            timeout_s=self.parallel_mode.consistency_timeout_s,
+        )
         return changed
 
     def _lookup(

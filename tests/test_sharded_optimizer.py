@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pathlib
+import re
 
 import pytest
 import torch
@@ -191,6 +192,42 @@ def test_state_is_sharded_and_clip_takes_the_all_reduce_path(rank_pool) -> None:
         # clip_grad_norm_ reads every full gradient: all_reduce + a slice, no reduce_scatter
         assert r["reduce_scatter"] == 0 and r["all_reduce"] == 6 and r["all_gather"] == 6, r
         assert r["full_state_shape"] == (64, 32), r
+
+
+def _state_dict_on_one_rank_job(rank: int, world: int) -> dict:
+    import time
+
+    import spmd_backend
+    from spmd_backend.errors import SpmdDistributedError
+    from spmd_backend.testing.models import MLP
+    from spmd_backend.testing.steps import train_step
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mode = spmd_backend.DataParallel(shard_optimizer=True, consistency_timeout_s=5)
+    step = spmd_backend.compile(parallel_mode=mode)(train_step)
+    step(model, opt, torch.randn(8, 8))
+    alone = ""
+    if rank == 0:  # as DDP code saves: on one rank only
+        try:
+            opt.state_dict()
+        except SpmdDistributedError as e:
+            alone = str(e)
+    else:
+        time.sleep(8)  # busy elsewhere until rank 0 has given up
+    full = opt.state_dict()  # every rank: the same full state
+    return {"alone": alone, "exp_avg": tuple(full["state"][0]["exp_avg"].shape)}
+
+
+def test_state_dict_on_one_rank_is_refused_naming_the_fix(rank_pool) -> None:
+    # before: rank 0 waited in the all_gather for a rank that never joined (gloo's 30 minutes)
+    first, second = rank_pool.run(_state_dict_on_one_rank_job, timeout=120)
+    assert re.search(r"rank\(s\) \[1\] did not publish their call of optim\.state_dict\(\) "
+                     r"\(sharded_state_dict#\d+\) within 5s", first["alone"]), first
+    assert "every rank must call it" in first["alone"], first
+    assert second["alone"] == ""
+    assert first["exp_avg"] == second["exp_avg"] == (16, 8)
 
 
 # ----------------------------------------------------------------------------- resume

@@ -77,10 +77,11 @@ def post_failure(key: str, group: dist.ProcessGroup, message: str) -> None:
 
 def check_consistency(
     lines: list[str], key: str, group: dist.ProcessGroup, timeout_s: float = DEFAULT_TIMEOUT_S,
-    what: str = "compiled graph", hint: str = "",
+    what: str = "compiled graph", hint: str = "", missing_hint: str = "",
 ) -> str:
     """Post ``lines`` under ``key`` and compare with every rank of ``group``; returns the digest.
-    ``what`` names what the lines describe in the error messages; ``hint`` ends them."""
+    ``what`` names what the lines describe in the error messages; ``hint`` ends those of a
+    difference, ``missing_hint`` that of a rank that did not post."""
     digest = signature_digest(lines)
     world = dist.get_world_size(group)
     if world == 1 or dist.get_backend(group) == "fake":
@@ -93,13 +94,20 @@ def check_consistency(
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception as e:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError on timeout
+    except Exception:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError on timeout
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
+    else:
+        missing = []
+    if missing:
+        # withdrawn: a rank that arrives later must not take this post for agreement and run
+        # a collective this rank will not join
+        store.delete_key(f"{prefix}/{rank}")
         raise SpmdDistributedError(
             f"spmd_backend: rank(s) {missing} did not publish their {what} ({key}) within "
-            f"{timeout_s:.0f}s: they failed, or traced a different step; refusing to run a "
+            f"{timeout_s:.0f}s: "
+            f"{missing_hint or 'they failed, or traced a different step'}; refusing to run a "
             "collective that could hang"
-        ) from e
+        )
     for r, k in enumerate(keys):
         if r == rank:
             continue
