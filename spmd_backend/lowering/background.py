@@ -38,14 +38,14 @@ process and its child share (``TORCHINDUCTOR_CACHE_DIR``). Guarantees:
   depends on how fast the worker compiles, so runs are reproducible only to rounding: pass
   ``background_compile=False`` for the blocking compile).
 - :func:`pending` counts the modules of this process whose worker has started and whose switch
-  is still open; :func:`wait_for_background` blocks
-  until their workers have finished; a worker is killed when its module is garbage-collected.
+  is still open; :func:`wait_for_background` blocks until their workers have finished; a worker
+  is killed when its module is garbage-collected.
 
 Falls back to the blocking :func:`lower_to_inductor` (logged) where a background compile cannot
 hand its result over: the cache switched off (at once), or, on the second call, on a rank whose
-graph has an input that is not a plain tensor or number, inputs that share storage, a fake tensor constant with elements
-(constants without elements, such as an empty key/value cache, become ``empty_strided`` calls),
-a graph that cannot be serialized.
+graph has an input that is not a plain tensor or number, inputs that share storage, a fake
+tensor constant with elements (constants without elements, such as an empty key/value cache,
+become ``empty_strided`` calls), or cannot be serialized.
 """
 
 from __future__ import annotations
