@@ -154,6 +154,20 @@ def get_comm_block(comm_node: fx.Node) -> CommBlock:
     )
 
 
+def reduced_values(block: CommBlock) -> list[fx.Node]:
+    """What readers take as the block's results: each output, and where the expansion took
+    DDP's mean after the sum (``reduce_op="avg"``, ``parallel.data_parallel._postscale``) the
+    ``output * (1 / world)`` the optimizer reads instead."""
+    found = list(block.outputs)
+    for out in block.outputs:
+        found += [
+            u for u in out.users
+            if u.target is torch.ops.aten.mul.Tensor and u.args[0] is out
+            and not isinstance(u.args[1], fx.Node) and get_phase(u) is Phase.COMM
+        ]
+    return found
+
+
 def get_all_comm_blocks(graph: fx.Graph, predicate=ops.is_all_reduce) -> list[CommBlock]:
     """Every collective matching ``predicate`` as a :class:`CommBlock`, in graph order."""
     return [get_comm_block(n) for n in graph.nodes if predicate(n)]

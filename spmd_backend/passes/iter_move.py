@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph import ops
-from spmd_backend.graph.comm import get_comm_block
+from spmd_backend.graph.comm import get_comm_block, reduced_values
 from spmd_backend.graph.meta import Phase, bucket_params, get_fqn, get_input_kind, get_phase
 from spmd_backend.graph.ops import is_list_op
 from spmd_backend.graph.optim import get_optimizer_blocks
@@ -103,7 +103,7 @@ def nodes_to_move(gm: object, comm: fx.Node) -> list[fx.Node]:
     """The bucket's collective and its (split-off) optimizer update, ready to move."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
     block = get_comm_block(comm)
-    grads = set(block.outputs)
+    grads = set(reduced_values(block))  # with reduce_op="avg": the scaled gradients
     roots: list[fx.Node] = [*block.pre_nodes, comm]
     for ob in get_optimizer_blocks(graph):
         if not grads & set(ob.gradients):

@@ -57,6 +57,7 @@ def run_pair(
     model_factory: Callable[[], nn.Module] = Net,
     last_train_step: bool = True,
     batch_sizes: Sequence[int] = (),
+    reduce_op: str = "sum",
 ) -> tuple[Any, nn.Module, nn.Module]:
     """Train the same model with and without ``transformation``; return (compiled, a, b).
     ``batch_sizes``: one per step (default 8 each)."""
@@ -64,8 +65,9 @@ def run_pair(
     model = model_factory()
     ref = copy.deepcopy(model)
     opt, ref_opt = make_optim(model, optim_kind), make_optim(ref, optim_kind)
-    compiled = spmd_backend.compile(gm_transformation=transformation)(step_fn)
-    plain = spmd_backend.compile()(step_fn)
+    mode = spmd_backend.DataParallel(reduce_op=reduce_op)
+    compiled = spmd_backend.compile(gm_transformation=transformation, parallel_mode=mode)(step_fn)
+    plain = spmd_backend.compile(parallel_mode=mode)(step_fn)
     gen = torch.Generator().manual_seed(1)
     for i in range(steps):
         batch = torch.randn(batch_sizes[i] if batch_sizes else 8, 16, generator=gen)

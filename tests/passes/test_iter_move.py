@@ -58,6 +58,19 @@ def test_move_by_module_fqn_matches_unmoved(fake_pg, optim_kind, commit_late):
     assert any("layers.2.weight" in params for _, params in seen)
 
 
+def test_ddps_mean_moves_with_its_bucket(fake_pg):
+    # reduce_op="avg" (DDP's mean) scales the reduced gradient after the sum; the optimizer
+    # reads the scaled value, which the move did not count as the bucket's: it took the whole
+    # optimizer along and was refused ("p_layers_0_weight, which the moved nodes update")
+    seen = []
+    compiled, model, ref = run_pair(
+        mover(ModuleTarget("layers.2"), ModuleTarget("layers.2"), seen), model_factory=wide,
+        steps=5, reduce_op="avg",
+    )
+    assert_same_training(model, ref)
+    assert compiled.compiled.num_moves == 1
+
+
 def test_a_retrace_first_runs_the_work_the_last_call_moved(fake_pg, caplog):
     # a smaller batch needs a new graph; the moved bucket's all_reduce and optimizer update of
     # the call before used to be dropped (0.04 off, silently), and the first graph, cached,
