@@ -301,10 +301,17 @@ def test_distribution_argument_validation_is_named_and_can_be_switched_off(fake_
     model = _Policy(validate=None)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     before = snapshot(model, opt)
-    with pytest.raises(SpmdTraceError, match=r"torch\.distributions checks a distribution's "
-                                             r"parameters .* at torch/distributions/\S+\.py:\d+ "
-                                             r".*validate_args=False"):
-        spmd_backend.compile()(_policy_step)(model, opt, torch.randn(6, 8))
+    # the default is on (``__debug__``) until the process's first torch.compile, whose Dynamo
+    # set-up turns it off for good (torch 2.13's TorchPatcher): as a fresh script has it
+    default = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(True)
+    try:
+        with pytest.raises(SpmdTraceError, match=r"torch\.distributions checks a distribution's "
+                                                 r"parameters .* at torch/distributions/\S+\.py:"
+                                                 r"\d+ .*validate_args=False"):
+            spmd_backend.compile()(_policy_step)(model, opt, torch.randn(6, 8))
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(default)
     assert_untouched(before, model, opt)
 
     model.validate = False
