@@ -35,8 +35,8 @@ their entries in time) switches as soon as it is ready; it still posts, so a pee
 that did see it in step 1 is not left waiting.
 
 Guarantees: no collective, no unbounded wait (step 1 waits at most :data:`ELECTION_WAIT_S`, and
-only while ranks running the same graph would be arriving too), one store read per call until
-the decision (two on the call all ranks are ready).
+only while ranks running the same graph would be arriving too), two store reads per call until
+the decision (three on the call all ranks are ready).
 """
 
 from __future__ import annotations
@@ -97,8 +97,6 @@ class Election:
 
     #: the status file of the worker whose result this rank loads; None: this rank compiles
     leader: str | None
-    #: this rank switches together with the others
-    shared: bool
     #: every rank compiled from the caches: nobody needs a worker
     everyone_cached: bool
 
@@ -133,7 +131,7 @@ class SwitchAgreement:
         """Post ``mine`` and read the others' (step 1, on graph call ``call``). When every rank
         compiled from the caches, they all switch on this call: a rank whose wait ran out is
         alone and switches on its own as soon as it is ready, which a cached rank is already."""
-        alone = Election(None, False, mine.cached)
+        alone = Election(None, mine.cached)
         if self._store is None:
             return alone
         keys = self._keys("entry")
@@ -154,7 +152,7 @@ class SwitchAgreement:
         everyone_cached = all(e.cached for e in entries)
         if everyone_cached:
             self._switch_at = call
-        return Election(leader, True, everyone_cached)
+        return Election(leader, everyone_cached)
 
     def post(self, state: str, call: int) -> None:
         """Record, once, that this rank became ready (``READY``) or failed on ``call``."""
