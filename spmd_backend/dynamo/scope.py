@@ -65,6 +65,7 @@ from typing import Any
 import torch
 
 from spmd_backend.dynamo import eager_guard, faults, frame, fresh_state, sharded_update
+from spmd_backend.dynamo.collective_grads import eager_collective_gradients
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.sharding import ShardSpec
 
@@ -346,7 +347,7 @@ def whole_step_scope() -> Iterator[None]:
     _state["active"] += 1
     try:
         with torch._dynamo.config.patch(trace_autograd_ops=True, allow_rnn=True), \
-                torch.backends.mkldnn.flags(enabled=False):
+                torch.backends.mkldnn.flags(enabled=False), eager_collective_gradients():
             for owner, name, fn in patches:
                 setattr(owner, name, fn)
             yield
