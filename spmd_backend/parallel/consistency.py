@@ -65,6 +65,17 @@ def default_store() -> dist.Store:
     return _get_default_store()
 
 
+def _post_key(group: dist.ProcessGroup, key: str, rank: int) -> str:
+    """Where ``rank`` posts its lines for the check ``key`` (one namespace per process group)."""
+    return f"spmd/{group.group_name}/{key}/{rank}"
+
+
+def round_counter(group: dist.ProcessGroup, kind: str) -> str:
+    """The store counter numbering this rank's checks of one ``kind`` on ``group`` (``store.add``
+    it by 1 for the next round; a rank's rounds pair with the others' of the same number)."""
+    return f"spmd/{group.group_name}/{kind}_rounds/{dist.get_rank(group)}"
+
+
 def post_failure(key: str, group: dist.ProcessGroup, message: str) -> None:
     """Tell the ranks waiting in :func:`check_consistency` under ``key`` that this rank failed
     before it could post (its trace raised ``message``): they raise at once, naming it, instead
@@ -72,7 +83,7 @@ def post_failure(key: str, group: dist.ProcessGroup, message: str) -> None:
     if dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
         return
     payload = json.dumps({"digest": "", "lines": [], "failed": message[:500]})
-    default_store().set(f"spmd/{group.group_name}/{key}/{dist.get_rank(group)}", payload)
+    default_store().set(_post_key(group, key, dist.get_rank(group)), payload)
 
 
 def check_consistency(
@@ -89,9 +100,8 @@ def check_consistency(
     rank = dist.get_rank(group)
     store = default_store()
     payload = json.dumps({"digest": digest, "lines": lines})
-    prefix = f"spmd/{group.group_name}/{key}"  # one namespace per process group
-    store.set(f"{prefix}/{rank}", payload)
-    keys = [f"{prefix}/{r}" for r in range(world)]
+    keys = [_post_key(group, key, r) for r in range(world)]
+    store.set(keys[rank], payload)
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except Exception:  # noqa: BLE001 - c10d raises RuntimeError/DistStoreError on timeout
@@ -101,7 +111,7 @@ def check_consistency(
     if missing:
         # withdrawn: a rank that arrives later must not take this post for agreement and run
         # a collective this rank will not join
-        store.delete_key(f"{prefix}/{rank}")
+        store.delete_key(keys[rank])
         raise SpmdDistributedError(
             f"spmd_backend: rank(s) {missing} did not publish their {what} ({key}) within "
             f"{timeout_s:.0f}s: "

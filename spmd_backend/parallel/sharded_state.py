@@ -91,7 +91,7 @@ def full_state_dict(
     ]
     if gathers and dist.get_world_size(group) > 1 and dist.get_backend(group) != "fake":
         store = consistency.default_store()
-        counter = f"spmd/{group.group_name}/state_dict_rounds/{dist.get_rank(group)}"
+        counter = consistency.round_counter(group, "state_dict")
         round_no = store.add(counter, 1)
         try:
             consistency.check_consistency(

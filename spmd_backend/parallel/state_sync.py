@@ -78,7 +78,7 @@ def verify_across_ranks(
         return
     lines = [f"{name}: {list(t.shape)} {t.dtype}" for name, t in named]
     store = consistency.default_store()
-    round_no = store.add(f"spmd/{pg.group_name}/state_rounds/{dist.get_rank(pg)}", 1)
+    round_no = store.add(consistency.round_counter(pg, "state"), 1)
     consistency.check_consistency(lines, f"module_state#{round_no}", pg, timeout_s,
                                   what="module state (parameters and buffers)", hint=_READS_HINT)
 
