@@ -89,7 +89,9 @@ _READS_HINT = (
     "If every rank built the same model, their steps read different tensors: a Python branch "
     "on a tensor's value went differently on the ranks (torch.compile traced each rank's own "
     "path), such as nn.AdaptiveLogSoftmaxWithLoss skipping a cluster, or a mixture of experts "
-    "skipping an expert, that no target or token of this rank's batch reaches. Data-parallel "
+    "skipping an expert, that no target or token of this rank's batch reaches, or a layer "
+    "skipped at random (LayerDrop: transformers' layerdrop, drawn on each rank). Data-parallel "
     "training needs every rank to take the same path: make the branch a tensor operation "
-    "(torch.where, masking) or run every branch on every rank."
+    "(torch.where, masking) or run every branch on every rank (LayerDrop: the same draw on "
+    "every rank, or layerdrop=0)."
 )
