@@ -334,3 +334,64 @@ def test_muon_matches_eager(door):
         torch.testing.assert_close(actual[k], expected[k], msg=k)
     if bias:
         torch.testing.assert_close(_state(model, opts[1]), _state(twin, refs[1]))
+
+
+class _OneLowPrecisionLayer(nn.Module):
+    """float32 layers around one layer converted to ``dtype`` (``model.b.to(torch.bfloat16)``)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32).to(dtype), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)).to(self.b.weight.dtype)
+        return self.c(self.b(h).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kw", [dict(lr=0.05), dict(lr=0.05, momentum=0.9)], ids=["plain", "momentum"])
+def test_a_low_precision_layer_is_trained_as_in_eager(fake_pg, dtype, kw):
+    """torch 2.13's CPU fused SGD kernel leaves every full 16 elements of a bfloat16 or float16
+    parameter unchanged. The compile door traced plain ``SGD`` with it by default, so such a
+    layer was not trained at all (before 2026-11-27), silently; only float32 and float64
+    groups default to fused."""
+    torch.manual_seed(0)
+    model = _OneLowPrecisionLayer(dtype)
+    twin, start = copy.deepcopy(model), copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), **kw)
+    ref = torch.optim.SGD(twin.parameters(), **kw)
+    compiled = spmd_backend.compile()(step)
+    for _ in range(3):
+        x = torch.randn(6, 8)
+        compiled(model, opt, x)
+        step(twin, ref, x)
+    assert not torch.equal(model.b.weight, start.b.weight)
+    for k, v in _state(twin, ref).items():
+        torch.testing.assert_close(_state(model, opt)[k], v, msg=k)
+
+
+def test_a_fused_kernel_is_traced_once_per_dtype_as_eager_calls_it(fake_pg):
+    """torch's optimizers group parameters by device and dtype before a fused kernel, except
+    while compiling; the trace groups them itself (one ``_fused_adamw`` per dtype)."""
+    from spmd_backend.graph.ops import is_fused_optimizer
+
+    torch.manual_seed(0)
+    model = _OneLowPrecisionLayer(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
+    graphs = []
+
+    def keep(gm):
+        graphs.append(gm)
+        return gm
+
+    compiled = spmd_backend.compile(gm_transformation=keep)(step)
+    for _ in range(2):
+        x = torch.randn(6, 8)
+        compiled(model, opt, x)
+        step(twin, ref, x)
+    kernels = [n for n in graphs[-1].graph.nodes if is_fused_optimizer(n)]
+    assert sorted(len(n.args[0]) for n in kernels) == [2, 4]
+    for k, v in _state(twin, ref).items():
+        torch.testing.assert_close(_state(model, opt)[k], v, msg=k)

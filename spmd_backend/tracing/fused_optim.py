@@ -149,14 +149,41 @@ def with_parameter_layouts(args: tuple) -> tuple:
     return tuple(out)
 
 
+def device_dtype_groups(params: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``params`` grouped by device and dtype, in first-seen order.
+
+    torch's optimizers group their tensors this way before calling a fused kernel, except
+    while compiling (``torch.compiler.is_compiling()``, true under our trace), where they leave
+    it to the compiler. The kernels take one dtype per call: torch 2.13's CPU ``_fused_sgd``
+    given float32 and bfloat16 parameters together left the bfloat16 ones unchanged (a model
+    with one bfloat16 layer between float32 ones trained that layer not at all, silently).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
+    return list(groups.values())
+
+
+def _take(arg: object, index: list[int], n: int) -> object:
+    """The entries ``index`` of a per-parameter list argument (other arguments unchanged)."""
+    if isinstance(arg, (list, tuple)) and len(arg) == n:
+        return type(arg)(arg[i] for i in index)
+    return arg
+
+
 def functional_fused_step(func: object, args: tuple, kwargs: dict) -> None:
-    """Run an in-place fused optimizer op as functional op + ``copy_`` into its mutated lists
-    (inputs laid out like their parameters: :func:`with_parameter_layouts`)."""
+    """Run an in-place fused optimizer op as functional op + ``copy_`` into its mutated lists,
+    one call per device and dtype (:func:`device_dtype_groups`; inputs laid out like their
+    parameters: :func:`with_parameter_layouts`)."""
     functional, n_mutated = INPLACE_TO_FUNCTIONAL[func]
-    outs = functional(*with_parameter_layouts(args), **kwargs)
-    for dst_list, src_list in zip(args[:n_mutated], outs):
-        for dst, src in zip(dst_list, src_list):
-            dst.copy_(src)
+    n = len(args[0])
+    groups = device_dtype_groups(args[0])
+    for index in groups:
+        part = args if len(groups) == 1 else tuple(_take(a, index, n) for a in args)
+        outs = functional(*with_parameter_layouts(part), **kwargs)
+        for dst_list, src_list in zip(part[:n_mutated], outs):
+            for dst, src in zip(dst_list, src_list):
+                dst.copy_(src)
 
 
 register_meta_kernels()

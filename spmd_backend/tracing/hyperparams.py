@@ -127,7 +127,8 @@ def _can_default_to_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any
 
     torch picks the single-tensor loop on CPU for eager speed; in a compiled graph one fused
     kernel is both faster and far cheaper to trace, so an unspecified implementation is traced
-    as fused where the kernel supports every parameter and traces (:data:`FUSED_BY_DEFAULT`).
+    as fused where the kernel supports every parameter and traces (:data:`FUSED_BY_DEFAULT`)
+    and every parameter is float32 or float64 (:data:`_FUSED_DEFAULT_DTYPES`).
     Explicit choices are respected.
     """
     if _torch_class(optimizer) not in FUSED_BY_DEFAULT:
@@ -140,8 +141,16 @@ def _can_default_to_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any
         return False
     supported = _fused_supported_devices()
     return all(
-        torch.is_floating_point(p) and p.device.type in supported for p in group["params"]
+        p.dtype in _FUSED_DEFAULT_DTYPES and p.device.type in supported for p in group["params"]
     )
+
+
+#: parameter dtypes for which the fused kernel computes what the default loop does: torch
+#: 2.13's CPU ``_fused_sgd_`` leaves the vectorized part of a bfloat16 or float16 parameter
+#: unchanged (every full 16 elements; a bfloat16 model with plain ``SGD`` was not trained at
+#: all, silently), and the fused Adam family computes in float32 where the default loop
+#: rounds to the parameter's dtype each operation
+_FUSED_DEFAULT_DTYPES = frozenset({torch.float32, torch.float64})
 
 
 def _momentum_half_started(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
