@@ -67,6 +67,7 @@ import torch
 from spmd_backend.dynamo import eager_guard, faults, frame, fresh_state, sharded_update
 from spmd_backend.dynamo.collective_grads import eager_collective_gradients
 from spmd_backend.errors import SpmdUsageError
+from spmd_backend.tracing import causal_mask
 from spmd_backend.tracing.sharding import ShardSpec
 
 #: the torch versions whose internals this module adjusts
@@ -183,6 +184,10 @@ def _inline_disabled(traceable: set[Any]) -> Patch:
     original = InstructionTranslatorBase.inline_user_function_return
 
     def inline_user_function_return(self: Any, fn: Any, args: Any, kwargs: Any, *a: Any, **k: Any) -> Any:
+        if isinstance(fn, UserFunctionVariable) and causal_mask.ORIGINAL is not None \
+                and fn.get_function() is causal_mask.ORIGINAL:
+            # torch's transformer layers: no decision on the mask's values (tracing/causal_mask)
+            fn = VariableTracker.build(self, causal_mask.hint_from_argument)
         if isinstance(fn, UserFunctionVariable) and fn.get_code() is disable_inner:
             target = _original(fn.get_function())
             if target in traceable:

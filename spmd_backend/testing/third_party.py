@@ -2,7 +2,8 @@
 ``nn.TransformerEncoder``, with padded batches, for parity tests against DDP.
 
 Registered in :data:`spmd_backend.testing.models.MODELS` as ``hf_gpt2``, ``hf_llama``,
-``hf_bert``, ``hf_t5``, ``torch_encoder`` and ``torch_recurrent``. transformers is imported only
+``hf_bert``, ``hf_t5``, ``torch_encoder``, ``torch_recurrent``, ``torch_causal_lm`` (a
+``TransformerEncoder`` under a causal mask) and ``torch_seq2seq`` (``nn.Transformer``). transformers is imported only
 when one of them is built.
 Dropout is off (compiled graphs and eager draw random numbers in different orders), every batch
 pads some rows (so the attention-mask code paths run) and depends on the generator (so a step
@@ -112,6 +113,62 @@ def _encoder_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return (out * keep).pow(2).mean()
 
 
+class _CausalLM(nn.Module):
+    """PyTorch's word-language-model example in small: a ``TransformerEncoder`` under the causal
+    mask ``nn.Transformer.generate_square_subsequent_mask`` builds, no ``is_causal`` hint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1])
+        return self.head(self.encoder(self.emb(input_ids), mask=mask))
+
+
+def _causal_lm_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids, _ = _padded_tokens(gen)
+    return {"input_ids": ids}
+
+
+def _causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    ids = batch["input_ids"]
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+class _Seq2Seq(nn.Module):
+    """The seq2seq tutorial's ``nn.Transformer``: a causal ``tgt_mask`` and source padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.transformer = nn.Transformer(32, 2, 1, 1, 64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_padding: torch.Tensor) -> torch.Tensor:
+        tgt_mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        out = self.transformer(self.emb(src), self.emb(tgt), tgt_mask=tgt_mask,
+                               src_key_padding_mask=src_padding,
+                               memory_key_padding_mask=src_padding)
+        return self.head(out)
+
+
+def _seq2seq_batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    ids, mask = _padded_tokens(gen)
+    tgt, _ = _padded_tokens(gen)
+    return {"src": ids, "tgt": tgt[:, :8], "src_padding": mask == 0}
+
+
+def _seq2seq_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    tgt = batch["tgt"]
+    logits = model(batch["src"], tgt[:, :-1], batch["src_padding"])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten())
+
+
 class _Recurrent(nn.Module):
     """torch's recurrent layers as a sequence classifier: an embedding with a padding index, a
     two-layer LSTM and a bidirectional GRU over its outputs, a head on the last step."""
@@ -142,7 +199,8 @@ def _key_bias(name: str, param: torch.Tensor) -> Any:
     """Attention key biases get a zero gradient (softmax ignores a per-query constant)."""
     if name.endswith("attention.self.key.bias"):  # BERT
         return slice(None)
-    if name.endswith("attn.c_attn.bias") or name.endswith("self_attn.in_proj_bias"):  # q|k|v
+    if name.endswith(("attn.c_attn.bias", "self_attn.in_proj_bias",
+                      "multihead_attn.in_proj_bias")):  # q|k|v (the last: nn.Transformer's cross-attention)
         third = param.shape[0] // 3
         return slice(third, 2 * third)
     return None
@@ -158,4 +216,8 @@ THIRD_PARTY_MODELS: dict[str, ModelEntry] = {
                                 zero_gradient=_key_bias),
     "torch_recurrent": ModelEntry(build=_Recurrent, batch=_recurrent_batch,
                                   loss_fn=_recurrent_loss),
+    "torch_causal_lm": ModelEntry(build=_CausalLM, batch=_causal_lm_batch,
+                                  loss_fn=_causal_lm_loss, zero_gradient=_key_bias),
+    "torch_seq2seq": ModelEntry(build=_Seq2Seq, batch=_seq2seq_batch, loss_fn=_seq2seq_loss,
+                                zero_gradient=_key_bias),
 }

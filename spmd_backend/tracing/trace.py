@@ -40,6 +40,7 @@ from spmd_backend.graph.utils import lazy_graph_modules
 from spmd_backend.tracing.annotate import ModuleAnnotator, annotate_optimizer_fqns
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
 from spmd_backend.tracing.binding import StepBinding
+from spmd_backend.tracing.causal_mask import traced_without_mask_decision
 from spmd_backend.tracing.data_assignment import data_assignment_as_copy
 from spmd_backend.tracing.dispatch import TraceContext
 from spmd_backend.tracing.errors import trace_error
@@ -129,7 +130,7 @@ def trace_train_step(
                 torch.fx.traceback.preserve_node_meta(), lazy_graph_modules(), \
                 annotator.active(), torch.compiler._non_strict_tracing_context(), compiling(), \
                 refuse_scheduler_steps(), refuse_user_collectives(), traced_randomness(ctx.rng, random_generators(fn, binding.modules)), \
-                data_assignment_as_copy():
+                data_assignment_as_copy(), traced_without_mask_decision():
             if symbolic is None:
                 gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
                     *[t.detach() for t in real_inputs]
