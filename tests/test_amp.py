@@ -55,6 +55,11 @@ def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
 
     mode = spmd_backend.DataParallel(reduce_op="avg", shard_optimizer=shard)
     if door == "dynamo":
+        from torch._dynamo.utils import counters
+
+        # the rank pool's processes outlive a job: count this job's graphs only
+        torch._dynamo.reset()
+        counters["spmd"].clear()
         # no Inductor: its bfloat16 kernels round differently from eager's (8e-05 here)
         dynamo_step = torch.compile(train_step, backend="spmd", options={
             "reduce_op": "avg", "shard_optimizer": shard, "inductor": False})
@@ -85,8 +90,6 @@ def _job(rank: int, world: int, impl: str, scaler_as_argument: bool,
     )
     out["skipped_steps"] = float(sum(1 for s in opt.state.values() if s["step"] < 6 - len(INF_STEPS)))
     if door == "dynamo":
-        from torch._dynamo.utils import counters
-
         # per-graph mode: Dynamo ran (part of) the step eagerly around separate graphs
         out["per_graph_graphs"] = float(counters["spmd"]["per_graph_graphs"])
     out["live_state_elements"] = float(sum(s["exp_avg"].numel() for s in opt.state.values()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import warnings
 
 import pytest
 import torch
@@ -393,5 +394,54 @@ def test_a_fused_kernel_is_traced_once_per_dtype_as_eager_calls_it(fake_pg):
         step(twin, ref, x)
     kernels = [n for n in graphs[-1].graph.nodes if is_fused_optimizer(n)]
     assert sorted(len(n.args[0]) for n in kernels) == [2, 4]
+    for k, v in _state(twin, ref).items():
+        torch.testing.assert_close(_state(model, opt)[k], v, msg=k)
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_an_explicit_fused_sgd_that_skips_low_precision_parameters_is_named(door):
+    """An explicit ``SGD(fused=True)`` runs torch's kernel, which leaves the bfloat16 layer
+    unchanged, as in eager; both doors say so once instead of nothing."""
+    from spmd_backend.testing import fake_process_group
+
+    torch.manual_seed(0)
+    model = _OneLowPrecisionLayer(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, fused=True)
+    with fake_process_group(world_size=1):
+        compiled = (spmd_backend.compile()(step) if door == "compile" else
+                    torch.compile(step, backend="spmd", options={"inductor": False}))
+        with pytest.warns(UserWarning, match=r"SGD\(fused=True\) on the CPU leaves 2 "
+                                             r"torch.bfloat16 parameter\(s\) \(shape \[32, 32\]"):
+            compiled(model, opt, torch.randn(6, 8))
+        with warnings.catch_warnings(record=True) as later:
+            warnings.simplefilter("always")
+            compiled(model, opt, torch.randn(6, 8))
+    assert not [w for w in later if "SGD(fused=True)" in str(w.message)]  # once per optimizer
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad"])
+def test_a_fused_optimizer_under_a_scheduler_through_dynamo(name):
+    """A float ``lr`` that changes between calls is made dynamic by Dynamo on its recompile (a
+    SymFloat); the fused kernels take a tensor lr there, and the second call of any fused
+    optimizer under a scheduler failed ("Expected a value of type 'Tensor' for argument 'lr'")
+    before 2026-11-27."""
+    from spmd_backend.testing import fake_process_group
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    cls = getattr(torch.optim, name)
+    kw = dict(lr=0.05, fused=True) | (dict(momentum=0.9) if name == "SGD" else {})
+    opt, ref = cls(model.parameters(), **kw), cls(twin.parameters(), **kw)
+    scheds = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8) for o in (opt, ref)]
+    with fake_process_group(world_size=1):
+        compiled = torch.compile(step, backend="spmd", options={"inductor": False})
+        for _ in range(4):
+            x = torch.randn(6, 8)
+            compiled(model, opt, x)
+            step(twin, ref, x)
+            for s in scheds:
+                s.step()
     for k, v in _state(twin, ref).items():
         torch.testing.assert_close(_state(model, opt)[k], v, msg=k)

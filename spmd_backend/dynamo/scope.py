@@ -68,6 +68,7 @@ from spmd_backend.dynamo import eager_guard, faults, frame, fresh_state, sharded
 from spmd_backend.dynamo.collective_grads import eager_collective_gradients
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing import causal_mask
+from spmd_backend.tracing.hyperparams import warn_untrained_by_fused_kernel
 from spmd_backend.tracing.sharding import ShardSpec
 
 #: the torch versions whose internals this module adjusts
@@ -246,6 +247,7 @@ def _init_group_traced() -> Patch:
     def call_method(self: Any, tx: Any, name: str, args: Any, kwargs: Any) -> Any:
         if name == "_init_group":
             _prepare_sharding([self.value])  # with sharding on: one the frame hook did not see
+            warn_untrained_by_fused_kernel(self.value)
             target = VariableTracker.build(tx, _original(type(self.value)._init_group))
             return tx.inline_user_function_return(target, [self, *args], kwargs)
         return original(self, tx, name, args, kwargs)

@@ -24,6 +24,8 @@ position for tuple values such as ``betas``.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +182,34 @@ def _state_dtype_differs(optimizer: torch.optim.Optimizer, group: dict[str, Any]
     return False
 
 
+#: optimizers already warned by :func:`warn_untrained_by_fused_kernel`
+_WARNED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def warn_untrained_by_fused_kernel(optimizer: torch.optim.Optimizer) -> None:
+    """Warn (once per optimizer) when a group chose ``SGD(fused=True)`` with bfloat16/float16
+    parameters on the CPU: torch 2.13's kernel leaves every full 16 elements of them unchanged,
+    in eager and in a compiled step alike (see :data:`_FUSED_DEFAULT_DTYPES`), so they would not
+    train and nothing else says so. Called while a step is traced (both doors)."""
+    if _torch_class(optimizer) != "SGD" or optimizer in _WARNED:
+        return
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            continue
+        stuck = [p for p in group["params"] if p.device.type == "cpu" and p.numel() >= 16
+                 and p.dtype in (torch.bfloat16, torch.float16)]
+        if stuck:
+            _WARNED.add(optimizer)
+            warnings.warn(
+                f"SGD(fused=True) on the CPU leaves {len(stuck)} {stuck[0].dtype} parameter(s) "
+                f"(shape {list(stuck[0].shape)}, ...) unchanged: torch 2.13's fused kernel skips "
+                "every full 16 elements of bfloat16/float16 parameters, in eager too. Leave the "
+                "implementation unspecified (or foreach=True) to train them.",
+                stacklevel=2,
+            )
+            return
+
+
 def traced_implementation(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], unfused: bool = False
 ) -> str:
@@ -190,6 +220,8 @@ def traced_implementation(
     ``unfused`` (see :func:`unfusing_lifts`) traces a fused group single-tensor.
     """
     if not unfused and (group.get("fused") or _can_default_to_fused(optimizer, group)):
+        if group.get("fused"):
+            warn_untrained_by_fused_kernel(optimizer)
         return "fused"
     return "foreach" if group.get("foreach") else "single"
 
