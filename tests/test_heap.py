@@ -14,7 +14,10 @@ import sys
 if sys.argv[1] == "retain":
     from spmd_backend.testing.heap import retain_freed_memory
     assert retain_freed_memory()
-print(__import__("tests.test_heap", fromlist=["x"]).refault_pages())
+refault = __import__("tests.test_heap", fromlist=["x"]).refault_pages
+# the fewest of three tries, as in _job: one try that anything else in the machine disturbs
+# (a fresh-clone CI run measured 544 faults retained against 2176 plain once, 0 otherwise)
+print(min(refault() for _ in range(3)))
 """
 
 

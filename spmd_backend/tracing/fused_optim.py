@@ -154,9 +154,11 @@ def device_dtype_groups(params: Sequence[torch.Tensor]) -> list[list[int]]:
 
     torch's optimizers group their tensors this way before calling a fused kernel, except
     while compiling (``torch.compiler.is_compiling()``, true under our trace), where they leave
-    it to the compiler. The kernels take one dtype per call: torch 2.13's CPU ``_fused_sgd``
-    given float32 and bfloat16 parameters together left the bfloat16 ones unchanged (a model
-    with one bfloat16 layer between float32 ones trained that layer not at all, silently).
+    it to the compiler; the trace then held one kernel call over float32 and bfloat16
+    parameters together, which eager never makes. torch 2.13's CPU kernels ran such a mix
+    without error in a direct check, so this restores eager's calls rather than a measured
+    difference; what left bfloat16 layers untrained was the SGD kernel itself
+    (:mod:`spmd_backend.tracing.hyperparams`).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
