@@ -139,14 +139,19 @@ def test_unfreezing_a_layer_after_some_steps_matches_eager(fake_pg, name, kw):
         torch.testing.assert_close(actual[k], expected[k], msg=k)
 
 
-@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad"])
-def test_fused_with_float64_lr_is_bitwise_eager(fake_pg, name):
+def _fused_twins(name: str, lr: float) -> tuple:
+    """An MLP, its eager twin, and the fused ``name`` optimizer over each (SGD with momentum)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     twin = copy.deepcopy(model)
     cls = getattr(torch.optim, name)
-    kw = dict(lr=0.01, fused=True) | (dict(momentum=0.9) if name == "SGD" else {})
-    opt, ref = cls(model.parameters(), **kw), cls(twin.parameters(), **kw)
+    kw = dict(lr=lr, fused=True) | (dict(momentum=0.9) if name == "SGD" else {})
+    return model, twin, cls(model.parameters(), **kw), cls(twin.parameters(), **kw)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad"])
+def test_fused_with_float64_lr_is_bitwise_eager(fake_pg, name):
+    model, twin, opt, ref = _fused_twins(name, lr=0.01)
     compiled = spmd_backend.compile()(step)
     for _ in range(10):
         x = torch.randn(6, 8)
@@ -428,12 +433,7 @@ def test_a_fused_optimizer_under_a_scheduler_through_dynamo(name):
     from spmd_backend.testing import fake_process_group
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    twin = copy.deepcopy(model)
-    cls = getattr(torch.optim, name)
-    kw = dict(lr=0.05, fused=True) | (dict(momentum=0.9) if name == "SGD" else {})
-    opt, ref = cls(model.parameters(), **kw), cls(twin.parameters(), **kw)
+    model, twin, opt, ref = _fused_twins(name, lr=0.05)
     scheds = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8) for o in (opt, ref)]
     with fake_process_group(world_size=1):
         compiled = torch.compile(step, backend="spmd", options={"inductor": False})

@@ -45,6 +45,17 @@ _GATHER_FAMILY = ("all_gather", "all_gather_into_tensor", "_all_gather_base",
 _REPLACEMENTS: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
+def _publish(legacy: Callable[..., Any], call: Callable[..., Any], prefix: str) -> Callable[..., Any]:
+    """Name ``call`` after ``legacy``, publish it on ``torch.distributed._functional_collectives``
+    (where Dynamo finds and guards a remap by its name) and remember it for ``legacy``."""
+    import torch.distributed._functional_collectives as funcol
+
+    call.__name__ = call.__qualname__ = f"{prefix}{legacy.__name__}"
+    setattr(funcol, call.__name__, call)
+    _REPLACEMENTS[legacy] = call
+    return call
+
+
 def _detaching(legacy: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (the remap of ``legacy(output, input, ...)``) with ``input`` detached, passed by
     position or, as Dynamo passes it, by ``legacy``'s parameter name. Dynamo finds a remapped
@@ -54,7 +65,6 @@ def _detaching(legacy: Callable[..., Any], fn: Callable[..., Any]) -> Callable[.
     made = _REPLACEMENTS.get(legacy)
     if made is not None:
         return made
-    import torch.distributed._functional_collectives as funcol
 
     param = list(inspect.signature(legacy).parameters)[1]
 
@@ -65,10 +75,7 @@ def _detaching(legacy: Callable[..., Any], fn: Callable[..., Any]) -> Callable[.
             kwargs = {**kwargs, param: kwargs[param].detach()}
         return fn(*args, **kwargs)
 
-    call.__name__ = call.__qualname__ = f"_spmd_detached_{legacy.__name__}"
-    setattr(funcol, call.__name__, call)
-    _REPLACEMENTS[legacy] = call
-    return call
+    return _publish(legacy, call, "_spmd_detached_")
 
 
 def _passing_through(legacy: Callable[..., Any]) -> Callable[..., Any]:
@@ -93,10 +100,7 @@ def _passing_through(legacy: Callable[..., Any]) -> Callable[..., Any]:
             reduced = reduced + (tensor - tensor.detach())
         tensor.copy_(reduced)
 
-    call.__name__ = call.__qualname__ = f"_spmd_passthrough_{legacy.__name__}"
-    setattr(funcol, call.__name__, call)
-    _REPLACEMENTS[legacy] = call
-    return call
+    return _publish(legacy, call, "_spmd_passthrough_")
 
 
 @contextlib.contextmanager
