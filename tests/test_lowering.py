@@ -59,6 +59,40 @@ def test_fused_decomposition_matches_the_kernel(fake_pg, cls, kw):
             torch.testing.assert_close(v, ref_opt.state[q][k])
 
 
+def _low_precision_step(model, optim, batch):
+    loss = model(batch.to(torch.float16 if model[0].weight.dtype == torch.float16
+                          else torch.bfloat16)).float().pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cls,kw", OPTIMS[:2], ids=["Adam", "AdamW"])
+def test_fused_decomposition_of_low_precision_parameters_computes_in_float32(
+        fake_pg, dtype, cls, kw):
+    """The fused kernels read bfloat16/float16 tensors as float32 and round the results once;
+    the decomposition computed in the parameter's dtype, where eps (1e-8) is 0 in float16: a
+    float16 model under Adam(fused=True) became nan on its second step (eager trained), and
+    bfloat16 drifted from eager (before 2026-11-27)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4)).to(dtype)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
+    step = spmd_backend.compile(gm_transformation=decomposed)(_low_precision_step)
+    for _ in range(2):
+        batch = torch.randn(16, 8)
+        step(model, opt, batch)
+        _low_precision_step(ref, ref_opt, batch)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == dtype
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+        for k, v in opt.state[p].items():
+            torch.testing.assert_close(v, ref_opt.state[q][k], atol=0, rtol=0)
+
+
 def amp_step_fn(model, optim, batch, scaler):
     optim.zero_grad()  # first, so that the gradients the kernel writes back stay visible
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -16,6 +16,13 @@ gradient is divided by ``grad_scale`` and the unscaled gradient is written back,
 are decremented by the optimizer's own ops, outside the kernel). Before 2026-11-26 such nodes
 were left to the kernel, whose in-place form Inductor could not re-trace: every AMP step with a
 fused optimizer ran as the fx graph.
+
+bfloat16 and float16 parameters are updated in float32 (their parameter, gradient and state are
+read as float32 and the results rounded back to their own dtypes once), as the kernels compute
+with such types: until 2026-11-27 the math ran in the parameter's dtype, where Adam's ``eps``
+(1e-8) is 0 in float16, so a float16 parameter under ``Adam(fused=True)`` became nan wherever
+its second moment was 0 (eager's kernel trained it), and a bfloat16 one drifted an ulp a step
+from eager.
 """
 
 from __future__ import annotations
@@ -158,6 +165,38 @@ def _sgd_one(
     return e(aten.sub.Tensor, p, step), buf
 
 
+#: dtypes the kernels update in float32 (their "opmath" type)
+_REDUCED = frozenset({torch.float16, torch.bfloat16})
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+class _Opmath:
+    """Reads a parameter's tensors in the type its kernel computes in and rounds results back
+    (a no-op for float32/float64, or where the graph holds no dtype)."""
+
+    def __init__(self, e: _Emitter, param: fx.Node) -> None:
+        self.e = e
+        dtype = _dtype(param)
+        self.dtype = dtype or torch.float32
+        self.compute = torch.float32 if dtype in _REDUCED else self.dtype
+
+    def up(self, node: fx.Node | None) -> fx.Node | None:
+        if node is None or self.compute == self.dtype or _dtype(node) == self.compute:
+            return node
+        return self.e(aten._to_copy.default, node, dtype=self.compute)
+
+    def down(self, new: fx.Node | None, like: fx.Node | None) -> fx.Node | None:
+        """``new`` rounded to the dtype of the tensor ``like`` it replaces."""
+        if new is None or like is None or self.compute == self.dtype:
+            return new
+        dtype = _dtype(like) or self.dtype
+        return new if dtype == self.compute else self.e(aten._to_copy.default, new, dtype=dtype)
+
+
 class _AmpScaling:
     """AMP's ``grad_scale`` and ``found_inf`` of one fused optimizer node, as its kernel
     applies them (either may be absent: then it changes nothing)."""
@@ -222,40 +261,41 @@ def decompose_fused_optimizers(gm: fx.GraphModule) -> int:
                     e, steps, lr=kw["lr"], beta1=kw["beta1"], beta2=kw["beta2"]
                 )
                 for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs)):
-                    dtype = p.meta["val"].dtype if "val" in p.meta else torch.float32
+                    om = _Opmath(e, p)
                     vmax = vmaxes[i] if kw["amsgrad"] and vmaxes else None
-                    ug = amp.unscale(g)
+                    ug = amp.unscale(om.up(g))
                     np_, nm, nv, nvmax = _adam_one(
-                        e, p, ug, m, v, vmax,
+                        e, om.up(p), ug, om.up(m), om.up(v), om.up(vmax),
                         e(aten.select.int, step_sizes, 0, i), e(aten.select.int, bc2_sqrts, 0, i),
                         lr=kw["lr"], beta1=kw["beta1"],
                         beta2=kw["beta2"], weight_decay=kw["weight_decay"], eps=kw["eps"],
-                        maximize=kw["maximize"], adamw=adamw, dtype=dtype,
+                        maximize=kw["maximize"], adamw=adamw, dtype=om.compute,
                     )
-                    new[0].append(amp.keep_if_inf(np_, p))
-                    new[1].append(amp.keep_if_inf(ug, g) if amp.scaled else None)
-                    new[2].append(amp.keep_if_inf(nm, m))
-                    new[3].append(amp.keep_if_inf(nv, v))
+                    new[0].append(amp.keep_if_inf(om.down(np_, p), p))
+                    new[1].append(amp.keep_if_inf(om.down(ug, g), g) if amp.scaled else None)
+                    new[2].append(amp.keep_if_inf(om.down(nm, m), m))
+                    new[3].append(amp.keep_if_inf(om.down(nv, v), v))
                     if vmaxes:
-                        new[4].append(amp.keep_if_inf(nvmax, vmaxes[i]))
+                        new[4].append(amp.keep_if_inf(om.down(nvmax, vmaxes[i]), vmaxes[i]))
                 _rewire(graph, node, new, inplace)
             else:
                 inplace = _SGD[target]
                 params, grads, bufs = (list(a) for a in node.args[:3])
                 new = [[], [], []]
                 for i, (p, g) in enumerate(zip(params, grads)):
+                    om = _Opmath(e, p)
                     buf = bufs[i] if bufs else None
-                    ug = amp.unscale(g)
+                    ug = amp.unscale(om.up(g))
                     np_, nb = _sgd_one(
-                        e, p, ug, buf, lr=kw["lr"], momentum=kw["momentum"],
+                        e, om.up(p), ug, om.up(buf), lr=kw["lr"], momentum=kw["momentum"],
                         dampening=kw["dampening"], nesterov=kw["nesterov"],
                         weight_decay=kw["weight_decay"], maximize=kw["maximize"],
                         first=kw["is_first_step"],
                     )
-                    new[0].append(amp.keep_if_inf(np_, p))
-                    new[1].append(amp.keep_if_inf(ug, g) if amp.scaled else None)
+                    new[0].append(amp.keep_if_inf(om.down(np_, p), p))
+                    new[1].append(amp.keep_if_inf(om.down(ug, g), g) if amp.scaled else None)
                     if bufs:
-                        new[2].append(amp.keep_if_inf(nb, buf))
+                        new[2].append(amp.keep_if_inf(om.down(nb, buf), buf))
                 _rewire(graph, node, new, inplace)
         graph.erase_node(node)
         count += 1

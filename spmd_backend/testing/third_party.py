@@ -125,7 +125,8 @@ class _CausalLM(nn.Module):
         self.head = nn.Linear(32, VOCAB)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1],
+                                                              device=input_ids.device)
         return self.head(self.encoder(self.emb(input_ids), mask=mask))
 
 
@@ -150,7 +151,7 @@ class _Seq2Seq(nn.Module):
         self.head = nn.Linear(32, VOCAB)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_padding: torch.Tensor) -> torch.Tensor:
-        tgt_mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        tgt_mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
         out = self.transformer(self.emb(src), self.emb(tgt), tgt_mask=tgt_mask,
                                src_key_padding_mask=src_padding,
                                memory_key_padding_mask=src_padding)

@@ -189,8 +189,10 @@ _WARNED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 def warn_untrained_by_fused_kernel(optimizer: torch.optim.Optimizer) -> None:
     """Warn (once per optimizer) when a group chose ``SGD(fused=True)`` with bfloat16/float16
     parameters on the CPU: torch 2.13's kernel leaves every full 16 elements of them unchanged,
-    in eager and in a compiled step alike (see :data:`_FUSED_DEFAULT_DTYPES`), so they would not
-    train and nothing else says so. Called while a step is traced (both doors)."""
+    in eager and in a compiled step that runs the kernel (see :data:`_FUSED_DEFAULT_DTYPES`), so
+    they would not train and nothing else says so; the Inductor lowering computes the update
+    itself (lowering/fused_decomp.py) and does train them, unlike eager. Called while a step is
+    traced (both doors)."""
     if _torch_class(optimizer) != "SGD" or optimizer in _WARNED:
         return
     for group in optimizer.param_groups:
@@ -203,8 +205,10 @@ def warn_untrained_by_fused_kernel(optimizer: torch.optim.Optimizer) -> None:
             warnings.warn(
                 f"SGD(fused=True) on the CPU leaves {len(stuck)} {stuck[0].dtype} parameter(s) "
                 f"(shape {list(stuck[0].shape)}, ...) unchanged: torch 2.13's fused kernel skips "
-                "every full 16 elements of bfloat16/float16 parameters, in eager too. Leave the "
-                "implementation unspecified (or foreach=True) to train them.",
+                "every full 16 elements of bfloat16/float16 parameters, in eager too (a step "
+                "lowered with Inductor computes the update itself and does train them, so it "
+                "and eager differ). Leave the implementation unspecified (or foreach=True) to "
+                "train them everywhere.",
                 stacklevel=2,
             )
             return
