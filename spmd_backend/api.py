@@ -31,7 +31,7 @@ from typing import Any
 import torch.fx as fx
 import torch.nn as nn
 
-from spmd_backend import pipeline
+from spmd_backend import pending_work, pipeline
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph.utils import emit_graph_artifact
 from spmd_backend.memory import release_freed_heap
@@ -150,6 +150,8 @@ class CompiledTrainStep:
         self._consistency_rounds = 0
         #: this rank's place in the optimizer sharding (``shard_optimizer=True``), set on first use
         self._shard_spec: ShardSpec | None = None
+        #: (module, optimizer) the last call left moved work pending for (see pending_work)
+        self._held: tuple[Any, ...] = ()
         functools.update_wrapper(self, fn)
 
     # ----------------------------------------------------------------- introspection
@@ -171,6 +173,8 @@ class CompiledTrainStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         last_train_step = bool(kwargs.pop("last_train_step", False))
         binding = self._bind(args, kwargs)
+        pending_work.settle((binding.module, binding.optimizer), self._flush_held,
+                            f"{self._name} was called")
         if self._shard_state(binding):  # state loaded or created eagerly: now sharded
             binding = self._bind(args, kwargs)
         key = binding.key()
@@ -180,7 +184,8 @@ class CompiledTrainStep:
             key = binding.key()
             entry, _, _ = self._lookup(key, binding)
         if self._last is not None and entry is not self._last:
-            self._finish_pending(self._last, why or "the call runs another cached graph")
+            self._finish_pending(
+                self._last, f"switches graphs ({why or 'the call runs another cached graph'})")
         if entry is None:
             if self.cache_size() >= self.max_graphs:
                 raise SpmdUsageError(
@@ -203,9 +208,23 @@ class CompiledTrainStep:
         pending = getattr(runner, "pending_moves", 0)
         if not pending or not callable(getattr(runner, "flush", None)):
             return
-        log.info("spmd_backend: %s switches graphs (%s); first running the %d moved block(s) "
-                 "its last call left for the next", self._name, why, pending)
+        log.info("spmd_backend: %s: %s; first running the %d moved block(s) its last call "
+                 "left for the next", self._name, why, pending)
         runner.flush()
+        pending_work.release(self._held, self._flush_held)
+        self._held = ()
+
+    def flush(self) -> None:
+        """Run the work the last call moved into the next one (an
+        ``iter_move_grads_and_optimizers`` transformation) now. Call it on every rank (it runs
+        that work's collective) before reading the parameters or optimizer state outside the
+        step: a checkpoint, an eager evaluation. A no-op when nothing is pending."""
+        if self._last is not None:
+            self._finish_pending(self._last, "flush() was called")
+
+    def _flush_held(self, why: str) -> None:
+        if self._last is not None:
+            self._finish_pending(self._last, why)
 
     @property
     def _name(self) -> str:
@@ -422,6 +441,14 @@ class CompiledTrainStep:
             entry.runner, flat, kwargs, entry.rollback, lambda: self._collectives(entry)
         )
         self._last = entry
+        if getattr(entry.runner, "pending_moves", 0):
+            if self._held and self._held != (binding.module, binding.optimizer):
+                pending_work.release(self._held, self._flush_held)
+            self._held = (binding.module, binding.optimizer)
+            pending_work.hold(self._held, self._flush_held, self._name)
+        elif self._held:
+            pending_work.release(self._held, self._flush_held)
+            self._held = ()
         result = layout.commit(binding, list(outs))
         for module, training in entry.mode_effects:
             module.training = training

@@ -60,7 +60,7 @@ import torch.nn as nn
 from torch.amp import GradScaler
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from spmd_backend.tracing.key import hashable, is_plain
+from spmd_backend.tracing.key import hashable, is_plain, user_hooks
 from spmd_backend.tracing.object_state import module_state
 
 #: attribute hops followed from a global or closure variable (``cfg.train.clip`` is two; an
@@ -310,7 +310,7 @@ def _hooks(modules: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, Any]]:
     for name, mod in modules:
         state = mod.__dict__
         for attr in _MODULE_HOOKS:
-            hooks = state.get(attr)
+            hooks = user_hooks(state.get(attr))
             if hooks:
                 found.extend((f"{kind(attr)} of {name or '<root>'}", h) for h in hooks.values())
         for pname, p in state["_parameters"].items():

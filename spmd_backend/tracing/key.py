@@ -34,6 +34,18 @@ _PLAIN_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, 
 PLAIN_TYPE_SET = frozenset(_PLAIN_TYPES)
 
 
+#: set (True) on a hook spmd_backend itself installs on a user's module (pending_work.py): the
+#: step key and the free-value walk skip such hooks, which read nothing the trace depends on
+INTERNAL_HOOK_ATTR = "_spmd_backend_internal_hook"
+
+
+def user_hooks(hooks: dict) -> dict:
+    """``hooks`` (a module's hook dict) without spmd_backend's own."""
+    if not hooks:
+        return hooks
+    return {k: h for k, h in hooks.items() if not getattr(h, INTERNAL_HOOK_ATTR, False)}
+
+
 def tensor_spec(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
 

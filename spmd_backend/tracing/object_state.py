@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd_backend.tracing.key import PLAIN_TYPE_SET, hashable, is_plain
+from spmd_backend.tracing.key import PLAIN_TYPE_SET, hashable, is_plain, user_hooks
 
 
 def _hook_ids(module: nn.Module) -> tuple:
     return (
-        tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+        tuple(user_hooks(module._forward_pre_hooks)), tuple(module._forward_hooks),
         tuple(module._backward_pre_hooks), tuple(module._backward_hooks),
     )
 

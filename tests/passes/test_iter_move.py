@@ -86,6 +86,72 @@ def test_a_retrace_first_runs_the_work_the_last_call_moved(fake_pg, caplog):
     assert len(flushed) == 2, flushed  # leaving the batch-8 graph, then the batch-6 graph
 
 
+def _held_training(steps=3):
+    """A moved model, its unmoved twin and what trained them, ``steps`` calls, the last one
+    leaving its moved work pending."""
+    import copy
+
+    import torch
+    from helpers import make_optim, step_fn
+
+    import spmd_backend
+
+    torch.manual_seed(0)
+    model = wide()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_optim(model, "adam_fused"), make_optim(ref, "adam_fused")
+    compiled = spmd_backend.compile(
+        gm_transformation=mover(ModuleTarget("layers.2"), ModuleTarget("layers.2")))(step_fn)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        batch = torch.randn(8, 16, generator=gen)
+        compiled(model, opt, batch)
+        step_fn(ref, ref_opt, batch)
+    assert compiled.compiled.pending_moves == 1
+    return compiled, model, opt, ref, ref_opt
+
+
+def test_another_compiled_step_on_the_model_first_runs_the_moved_work(fake_pg):
+    # a compiled evaluation between training steps read layers.2 one update behind (before
+    # 2026-11-27): its all_reduce and optimizer update waited for the training step's next call
+    import torch
+
+    import spmd_backend
+
+    compiled, model, opt, ref, _ = _held_training()
+    evaluate = spmd_backend.compile()(lambda model, x: model(x))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        expected = ref(x)
+    torch.testing.assert_close(evaluate(model, x), expected, rtol=0, atol=0)
+    assert compiled.compiled.pending_moves == 0
+    assert_same_training(model, ref)
+
+
+def test_reading_outside_the_step_while_work_is_held_warns_until_flushed(fake_pg):
+    import warnings
+
+    import torch
+
+    compiled, model, opt, ref, ref_opt = _held_training()
+    traces = compiled.trace_count
+    with pytest.warns(UserWarning, match=r"state_dict\(\) was read while step_fn holds work"):
+        model.state_dict()
+    with pytest.warns(UserWarning, match=r"Adam.state_dict\(\) was read.*step_fn.flush\(\)"):
+        opt.state_dict()
+    with pytest.warns(UserWarning, match="called outside the compiled step"), torch.no_grad():
+        model(torch.randn(2, 16))
+    assert compiled.trace_count == traces and compiled.cache_size() == 1  # the hook is not keyed
+    compiled.flush()
+    assert compiled.compiled.pending_moves == 0 and not model._forward_pre_hooks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = model.state_dict()
+        opt.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, msg=name)
+
+
 def test_move_by_names_matches_unmoved(fake_pg):
     seen = []
     # buckets in readiness order: [layers.3, layers.2], [layers.1], [layers.0];
