@@ -28,11 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from spmd_backend import pending_work, pipeline
 from spmd_backend.errors import SpmdUsageError
+from spmd_backend.graph import ops
 from spmd_backend.graph.utils import emit_graph_artifact
 from spmd_backend.memory import release_freed_heap
 from spmd_backend.parallel.consistency import (
@@ -43,6 +45,7 @@ from spmd_backend.parallel.consistency import (
 )
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
 from spmd_backend.parallel.replicas import refuse_rank_local_writes
+from spmd_backend.parallel.schedule_check import agree_on_schedule
 from spmd_backend.parallel.sharded_state import prepare_sharding
 from spmd_backend.runtime import (
     RollbackPlan,
@@ -104,6 +107,8 @@ class CompiledGraph:
     mode_effects: tuple[tuple[nn.Module, bool], ...] = ()
     #: digest of what ranks must agree on (state inputs, collective schedule); "" unchecked
     schedule: str = ""
+    #: why it was traced ("first call", "argument 'which' changed from 1 to 2", ...)
+    reason: str = ""
 
     @property
     def layout(self) -> StepLayout:
@@ -152,6 +157,9 @@ class CompiledTrainStep:
         self._shard_spec: ShardSpec | None = None
         #: (module, optimizer) the last call left moved work pending for (see pending_work)
         self._held: tuple[Any, ...] = ()
+        #: agreed digests of the cached graphs with collectives; with two or more, every call
+        #: checks that all ranks run the same one (parallel/schedule_check.py)
+        self._schedules: set[str] = set()
         functools.update_wrapper(self, fn)
 
     # ----------------------------------------------------------------- introspection
@@ -341,9 +349,12 @@ class CompiledTrainStep:
             rollback=rollback,
             mode_effects=mode_effects,
             schedule=schedule,
+            reason=why,
         )
         if not bootstrap:
             self._cache.setdefault(key, []).append(entry)
+            if schedule and any(ops.is_collective(n) for n in traced.gm.graph.nodes):
+                self._schedules.add(schedule)
         release_freed_heap()  # what tracing and compiling freed (hundreds of MB) back to the OS
         log.info(
             "spmd_backend: traced %s in %.2fs (%d nodes, %d all_reduce, %d reduce_scatter, "
@@ -437,6 +448,13 @@ class CompiledTrainStep:
                     "across iterations (its forward takes no `last_iter`); pass it only with a "
                     "gm_transformation that returns an IterGraphModule"
                 )
+        if len(self._schedules) > 1 and entry.schedule in self._schedules:
+            agree_on_schedule(
+                entry.schedule, self.parallel_mode.process_group(),
+                binding.params[0].device if binding.params else torch.device("cpu"),
+                what=self._name,
+                hint=f" This rank's graph is the one traced when: {entry.reason or 'first call'}.",
+            )
         outs = run_step(
             entry.runner, flat, kwargs, entry.rollback, lambda: self._collectives(entry)
         )

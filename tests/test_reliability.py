@@ -110,6 +110,55 @@ def test_a_branch_that_differs_between_ranks_is_named_as_such(rank_pool):
         assert "branch on a tensor's value went differently on the ranks" in m, m
 
 
+class _TwinLayers(nn.Module):
+    """Two same-shaped layers; a call runs one of them (``which``): the graphs of the two paths
+    reduce buckets of the same sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.l1, self.l2, self.c = (nn.Linear(8, 16), nn.Linear(16, 16),
+                                            nn.Linear(16, 16), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.l1(h) if which == 1 else self.l2(h)))
+
+
+def _twin_step(model, opt, x, which):
+    model(x, which).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _divergent_cached_paths_job(rank: int, world: int) -> tuple[str, bool, bool]:
+    """Both paths are traced on both ranks (calls 1 and 2); on call 3 each rank takes another
+    one. Both graphs are cached, so no new graph and no consistency round: before 2026-11-27
+    the ranks summed l1's gradient into l2's and back, silently (0.0065 off DDP in the probe)."""
+    torch.manual_seed(0)
+    model = _TwinLayers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile(parallel_mode=FAST_CHECK)(_twin_step)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for which in (1, 2):
+        step(model, opt, x, which)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        step(model, opt, x, 1 if rank == 0 else 2)
+        message = "ran"
+    except SpmdDistributedError as e:
+        message = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    step(model, opt, x, 2)  # the same path on every rank again: the step trains on
+    return message, unchanged, not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_ranks_that_pick_different_cached_graphs_fail_before_any_collective(rank_pool):
+    for message, unchanged, trained_after in rank_pool.run(_divergent_cached_paths_job, timeout=90):
+        assert "ranks were about to run compiled graphs with different collectives" in message, message
+        assert "This rank's graph is the one traced when" in message, message
+        assert unchanged and trained_after
+
+
 def _first_step_without_sync_job(rank: int, world: int) -> tuple[bool, bool]:
     """Replicas initialized differently; a first compiled step with sync_module_states off
     leaves them different (its tensors are verified, not broadcast); a later step that asks
