@@ -353,8 +353,13 @@ class CompiledTrainStep:
         )
         if not bootstrap:
             self._cache.setdefault(key, []).append(entry)
-            if schedule and any(ops.is_collective(n) for n in traced.gm.graph.nodes):
+            if (schedule and schedule not in self._schedules
+                    and any(ops.is_collective(n) for n in traced.gm.graph.nodes)):
                 self._schedules.add(schedule)
+                if len(self._schedules) == 2:
+                    log.info("spmd_backend: %s now has cached graphs with different collectives "
+                             "(this one traced because %s); from now on each call first checks "
+                             "that every rank runs one with the same collectives", self._name, why)
         release_freed_heap()  # what tracing and compiling freed (hundreds of MB) back to the OS
         log.info(
             "spmd_backend: traced %s in %.2fs (%d nodes, %d all_reduce, %d reduce_scatter, "
