@@ -12,7 +12,8 @@ Guarantees, while work is held for a module or an optimizer:
   evaluation step between training steps reads the updated parameters. Every rank calls a
   compiled step, so the work's collective runs on every rank.
 * ``module.state_dict()``, ``optimizer.state_dict()`` and an eager ``module(...)`` call outside
-  any trace warn (once per step and kind of read) that they read values one update behind, and
+  any trace warn (once per kind of read, until the work next runs) that they read values one
+  update behind, and
   name the fix: ``train_step.flush()`` on every rank first. They do not run the work themselves:
   its collective would run on the ranks that read alone (``if rank == 0: torch.save(...)``) and
   hang, or meet another collective of the other ranks and mix their data.
