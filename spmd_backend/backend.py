@@ -42,6 +42,7 @@ from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase
 from spmd_backend.memory import release_freed_heap
 from spmd_backend.parallel.replicas import drift_error, rank_local_writes
+from spmd_backend.parallel.schedule_check import ScheduleBook
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.runtime import GuardedStep
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
@@ -252,10 +253,12 @@ def spmd_dynamo_backend(
                 "region raises. A model free of graph breaks (torch._dynamo.explain lists them; "
                 "a logging call is one) lets one graph hold the whole step", _fallback_reason(),
             )
+    # before compiling: ranks that took different paths learn it before the expensive part
+    check = _schedule_check(gm, config, hooked, inputs.fqns) if whole_step else None
     compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=whole_step)
     if whole_step and marked:
         compiled = _marking_reduced(compiled, [inputs.params[i] for i in dict.fromkeys(marked)])
-    compiled = _checked_before_each_call(compiled, hooked, inputs.fqns)
+    compiled = _checked_before_each_call(compiled, hooked, inputs.fqns, check)
     release_freed_heap()  # what tracing and compiling freed, back to the OS
     return compiled
 
@@ -271,15 +274,46 @@ def _marking_reduced(compiled: Any, params: list[torch.Tensor]) -> Any:
 
     return run
 
+#: (process group name, Dynamo frame id) -> the agreed digests of that frame's whole-step graphs
+_BOOKS: dict[tuple[str, Any], ScheduleBook] = {}
+
+
+def _schedule_check(
+    gm: fx.GraphModule, config: PipelineConfig, params: dict[int, torch.Tensor],
+    fqns: dict[int, str],
+) -> Callable[[], None] | None:
+    """Agree on a new whole-step graph's reduced parameters with every rank, and return the
+    per-call check (parallel/schedule_check.py): Dynamo picks among a frame's graphs by guards
+    on Python values, which may differ between ranks (a non-tensor argument); two cached graphs
+    that reduce other parameters in same-sized buckets would sum one layer's gradient into
+    another's."""
+    mode = config.parallel
+    if not mode.check_consistency or not params:
+        return None
+    pg = mode.process_group()
+    compile_id = gm.meta.get("dynamo_compile_id")
+    frame = getattr(compile_id, "frame_id", None)
+    book = _BOOKS.setdefault((pg.group_name, frame), ScheduleBook(f"frame {frame}"))
+    lines = [f"{fqns[i]}: {list(p.shape)} {p.dtype}" for i, p in params.items()]
+    digest = book.admit(lines, pg, mode.consistency_timeout_s)
+    device = next(iter(params.values())).device
+    hint = f" This rank's graph is frame {frame}'s compile {getattr(compile_id, 'frame_compile_id', '?')}."
+    return lambda: book.check(digest, pg, device, 'backend="spmd"', hint)
+
+
 def _checked_before_each_call(
-    compiled: Any, params: dict[int, torch.Tensor], fqns: dict[int, str]
+    compiled: Any, params: dict[int, torch.Tensor], fqns: dict[int, str],
+    check: Callable[[], None] | None = None,
 ) -> Any:
     """``compiled``, raising before it runs when a parameter got a gradient hook since it was
-    compiled, and warning once when global module hooks changed (Dynamo guards neither)."""
+    compiled, warning once when global module hooks changed (Dynamo guards neither), and
+    running ``check`` (the schedule check) first."""
     at_compile = global_module_hooks()
     warned = [False]
 
     def run(*args: Any) -> Any:
+        if check is not None:
+            check()
         if params:
             audit.refuse_gradient_hooks(params, fqns)
         if not warned[0]:

@@ -8,6 +8,10 @@ so no consistency round runs, and where the buckets happen to have the same size
 same-shaped layers, one skipped on each rank) the all_reduces sum one parameter's gradient into
 another's: training goes wrong silently (0.0065 off DDP in the probe that found it).
 
+:class:`ScheduleBook` keeps such agreed digests for the Dynamo door, whose graphs have no
+consistency round of their own (one book per frame and process group, of the whole-step
+graphs: a digest of the parameters each reduces, in order).
+
 Requires: a digest of the graph about to run that ranks agreed on when it was traced
 (:func:`~spmd_backend.parallel.consistency.check_consistency`), and that every rank knows the
 same set of agreed digests (each new one came from a round all ranks joined), so that all of
@@ -60,4 +64,42 @@ def agree_on_schedule(
         )
 
 
-__all__ = ["agree_on_schedule", "schedule_code"]
+class ScheduleBook:
+    """The agreed digests of a family of graphs that a rank's Python picks among at one call
+    (the Dynamo door: one frame's whole-step graphs on one process group). A digest is added
+    only after a consistency round every rank joined, so every rank's book is the same."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.digests: set[str] = set()
+
+    def admit(self, lines: list[str], group: dist.ProcessGroup, timeout_s: float) -> str:
+        """The digest of ``lines``; a digest not seen before is agreed with every rank first
+        (:class:`SpmdDistributedError` on every rank when the ranks' lines differ)."""
+        from spmd_backend.parallel import consistency
+
+        digest = consistency.signature_digest(lines)
+        if digest in self.digests:
+            return digest
+        if dist.get_world_size(group) > 1 and dist.get_backend(group) != "fake":
+            round_no = consistency.default_store().add(
+                consistency.round_counter(group, "schedule"), 1)
+            consistency.check_consistency(
+                lines, f"{self.name} schedule#{round_no}", group, timeout_s,
+                what="parameters reduced by the compiled graph",
+                hint="\nEach rank compiled a graph that reduces other parameters: a choice "
+                "that differs between the ranks (a Python argument, a branch on a tensor's "
+                "value, LayerDrop) took another path on each. Data-parallel training needs "
+                "every rank to take the same path.",
+            )
+        self.digests.add(digest)
+        return digest
+
+    def check(self, digest: str, group: dist.ProcessGroup, device: torch.device, what: str,
+              hint: str = "") -> None:
+        """:func:`agree_on_schedule`, once the book holds two or more digests."""
+        if len(self.digests) > 1:
+            agree_on_schedule(digest, group, device, what, hint)
+
+
+__all__ = ["ScheduleBook", "agree_on_schedule", "schedule_code"]
