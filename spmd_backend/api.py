@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spmd_backend import pending_work, pipeline
+from spmd_backend.compiled_graph import CompiledGraph, accepts_last_iter
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.utils import emit_graph_artifact
@@ -45,7 +44,7 @@ from spmd_backend.parallel.consistency import (
 )
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
 from spmd_backend.parallel.replicas import refuse_rank_local_writes
-from spmd_backend.parallel.schedule_check import agree_on_schedule
+from spmd_backend.parallel.schedule_check import ScheduleBook
 from spmd_backend.parallel.sharded_state import prepare_sharding
 from spmd_backend.runtime import (
     RollbackPlan,
@@ -58,7 +57,6 @@ from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
 from spmd_backend.tracing.hyperparams import unfusing_lifts
 from spmd_backend.tracing.key import Guard, StepKey
-from spmd_backend.tracing.layout import StepLayout
 from spmd_backend.tracing.object_state import module_state
 from spmd_backend.tracing.overrides import Override
 from spmd_backend.tracing.shapes import ShapeGuard
@@ -73,56 +71,6 @@ _STEP_IDS = itertools.count()
 DEFAULT_MAX_GRAPHS = 8
 
 __all__ = ["compile", "CompiledTrainStep", "DataParallel", "Override"]
-
-
-def _accepts_last_iter(runner: Callable[..., Any]) -> bool:
-    if isinstance(runner, fx.GraphModule):  # its forward takes exactly its placeholders
-        return any(n.op == "placeholder" and n.target == "last_iter" for n in runner.graph.nodes)
-    target = getattr(runner, "forward", runner)
-    try:
-        sig = inspect.signature(target)
-    except (TypeError, ValueError):
-        return False
-    return any(
-        p.name == "last_iter" or p.kind is inspect.Parameter.VAR_KEYWORD
-        for p in sig.parameters.values()
-    )
-
-
-@dataclass
-class CompiledGraph:
-    """One traced, expanded and (unless bootstrap) transformed graph, ready to run."""
-
-    key: StepKey
-    traced: TracedStep
-    runner: Callable[..., Any]
-    bootstrap: bool
-    takes_last_iter: bool
-    expansion: ExpansionReport
-    compile_seconds: float
-    rollback: RollbackPlan = RollbackPlan((), (), "")
-    hyper_cache: dict = field(default_factory=dict)
-    #: (module, training) the step's own ``model.train()``/``eval()`` set while tracing; the
-    #: graph's replays do not run Python, so each successful run sets them again
-    mode_effects: tuple[tuple[nn.Module, bool], ...] = ()
-    #: digest of what ranks must agree on (state inputs, collective schedule); "" unchecked
-    schedule: str = ""
-    #: why it was traced ("first call", "argument 'which' changed from 1 to 2", ...)
-    reason: str = ""
-
-    @property
-    def layout(self) -> StepLayout:
-        return self.traced.layout
-
-    def failed_guard(self, binding: StepBinding) -> Guard | ShapeGuard | None:
-        """The first guard that keeps this graph (whose key matched) from ``binding``'s call."""
-        for guard in self.traced.guards:
-            if not guard.holds(binding):
-                return guard
-        shape_guard = self.traced.shape_guard
-        if shape_guard is not None and not shape_guard.holds(binding):
-            return shape_guard
-        return None
 
 
 class CompiledTrainStep:
@@ -155,11 +103,11 @@ class CompiledTrainStep:
         self._consistency_rounds = 0
         #: this rank's place in the optimizer sharding (``shard_optimizer=True``), set on first use
         self._shard_spec: ShardSpec | None = None
-        #: (module, optimizer) the last call left moved work pending for (see pending_work)
-        self._held: tuple[Any, ...] = ()
+        #: the module and optimizer the last call left moved work pending for
+        self._held = pending_work.Held(self._flush_held, self._name)
         #: agreed digests of the cached graphs with collectives; with two or more, every call
         #: checks that all ranks run the same one (parallel/schedule_check.py)
-        self._schedules: set[str] = set()
+        self._schedules = ScheduleBook(self._name)
         functools.update_wrapper(self, fn)
 
     # ----------------------------------------------------------------- introspection
@@ -219,8 +167,7 @@ class CompiledTrainStep:
         log.info("spmd_backend: %s: %s; first running the %d moved block(s) its last call "
                  "left for the next", self._name, why, pending)
         runner.flush()
-        pending_work.release(self._held, self._flush_held)
-        self._held = ()
+        self._held.release()
 
     def flush(self) -> None:
         """Run the work the last call moved into the next one (an
@@ -343,7 +290,7 @@ class CompiledTrainStep:
             traced=traced,
             runner=runner,
             bootstrap=bootstrap,
-            takes_last_iter=_accepts_last_iter(runner),
+            takes_last_iter=accepts_last_iter(runner),
             expansion=expansion,
             compile_seconds=time.perf_counter() - t0,
             rollback=rollback,
@@ -353,13 +300,11 @@ class CompiledTrainStep:
         )
         if not bootstrap:
             self._cache.setdefault(key, []).append(entry)
-            if (schedule and schedule not in self._schedules
-                    and any(ops.is_collective(n) for n in traced.gm.graph.nodes)):
-                self._schedules.add(schedule)
-                if len(self._schedules) == 2:
-                    log.info("spmd_backend: %s now has cached graphs with different collectives "
-                             "(this one traced because %s); from now on each call first checks "
-                             "that every rank runs one with the same collectives", self._name, why)
+            if (schedule and any(ops.is_collective(n) for n in traced.gm.graph.nodes)
+                    and self._schedules.agreed(schedule)):
+                log.info("spmd_backend: %s now has cached graphs with different collectives "
+                         "(this one traced because %s); from now on each call first checks "
+                         "that every rank runs one with the same collectives", self._name, why)
         release_freed_heap()  # what tracing and compiling freed (hundreds of MB) back to the OS
         log.info(
             "spmd_backend: traced %s in %.2fs (%d nodes, %d all_reduce, %d reduce_scatter, "
@@ -453,25 +398,17 @@ class CompiledTrainStep:
                     "across iterations (its forward takes no `last_iter`); pass it only with a "
                     "gm_transformation that returns an IterGraphModule"
                 )
-        if len(self._schedules) > 1 and entry.schedule in self._schedules:
-            agree_on_schedule(
-                entry.schedule, self.parallel_mode.process_group(),
-                binding.params[0].device if binding.params else torch.device("cpu"),
-                what=self._name,
-                hint=f" This rank's graph is the one traced when: {entry.reason or 'first call'}.",
-            )
+        self._schedules.check(
+            entry.schedule, self.parallel_mode.process_group(),
+            binding.params[0].device if binding.params else torch.device("cpu"),
+            what=self._name,
+            hint=f" This rank's graph is the one traced when: {entry.reason or 'first call'}.",
+        )
         outs = run_step(
             entry.runner, flat, kwargs, entry.rollback, lambda: self._collectives(entry)
         )
         self._last = entry
-        if getattr(entry.runner, "pending_moves", 0):
-            if self._held and self._held != (binding.module, binding.optimizer):
-                pending_work.release(self._held, self._flush_held)
-            self._held = (binding.module, binding.optimizer)
-            pending_work.hold(self._held, self._flush_held, self._name)
-        elif self._held:
-            pending_work.release(self._held, self._flush_held)
-            self._held = ()
+        self._held.after_call(entry.runner, (binding.module, binding.optimizer))
         result = layout.commit(binding, list(outs))
         for module, training in entry.mode_effects:
             module.training = training

@@ -139,4 +139,28 @@ def settle(objs: Iterable[Any], flush: Flush, why: str) -> None:
             holder.flush(why)
 
 
-__all__ = ["hold", "release", "settle"]
+class Held:
+    """What one compiled step holds: after each call, its runner's pending moves decide
+    whether ``objs`` (its module and optimizer) are held for ``flush``."""
+
+    def __init__(self, flush: Flush, name: str) -> None:
+        self.flush = flush
+        self.name = name
+        self.objs: tuple[Any, ...] = ()
+
+    def after_call(self, runner: Any, objs: tuple[Any, ...]) -> None:
+        if not getattr(runner, "pending_moves", 0):
+            self.release()
+            return
+        if self.objs != objs:
+            self.release()
+        self.objs = objs
+        hold(objs, self.flush, self.name)
+
+    def release(self) -> None:
+        if self.objs:
+            release(self.objs, self.flush)
+            self.objs = ()
+
+
+__all__ = ["Held", "hold", "release", "settle"]

@@ -8,9 +8,10 @@ so no consistency round runs, and where the buckets happen to have the same size
 same-shaped layers, one skipped on each rank) the all_reduces sum one parameter's gradient into
 another's: training goes wrong silently (0.0065 off DDP in the probe that found it).
 
-:class:`ScheduleBook` keeps such agreed digests for the Dynamo door, whose graphs have no
-consistency round of their own (one book per frame and process group, of the whole-step
-graphs: a digest of the parameters each reduces, in order).
+:class:`ScheduleBook` keeps such agreed digests: one per compiled step in the compile door
+(its graph rounds agree them), one per frame and process group in the Dynamo door, whose
+graphs have no consistency round of their own (there the book runs one, over the parameters
+each whole-step graph reduces, in order).
 
 Requires: a digest of the graph about to run that ranks agreed on when it was traced
 (:func:`~spmd_backend.parallel.consistency.check_consistency`), and that every rank knows the
@@ -66,8 +67,9 @@ def agree_on_schedule(
 
 class ScheduleBook:
     """The agreed digests of a family of graphs that a rank's Python picks among at one call
-    (the Dynamo door: one frame's whole-step graphs on one process group). A digest is added
-    only after a consistency round every rank joined, so every rank's book is the same."""
+    (one compiled step's cache; one Dynamo frame's whole-step graphs on one process group). A
+    digest is added only after a consistency round every rank joined, so every rank's book is
+    the same."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -95,10 +97,18 @@ class ScheduleBook:
         self.digests.add(digest)
         return digest
 
+    def agreed(self, digest: str) -> bool:
+        """Record ``digest``, agreed by a round of the caller's own (the compile door's graph
+        round); True when it makes the book hold a second schedule (checks start)."""
+        new = digest not in self.digests
+        self.digests.add(digest)
+        return new and len(self.digests) == 2
+
     def check(self, digest: str, group: dist.ProcessGroup, device: torch.device, what: str,
               hint: str = "") -> None:
-        """:func:`agree_on_schedule`, once the book holds two or more digests."""
-        if len(self.digests) > 1:
+        """:func:`agree_on_schedule` for a graph of the book, once it holds two or more digests
+        (a graph outside it, one without collectives, is not checked)."""
+        if len(self.digests) > 1 and digest in self.digests:
             agree_on_schedule(digest, group, device, what, hint)
 
 
