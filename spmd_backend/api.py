@@ -174,8 +174,7 @@ class CompiledTrainStep:
         ``iter_move_grads_and_optimizers`` transformation) now. Call it on every rank (it runs
         that work's collective) before reading the parameters or optimizer state outside the
         step: a checkpoint, an eager evaluation. A no-op when nothing is pending."""
-        if self._last is not None:
-            self._finish_pending(self._last, "flush() was called")
+        self._flush_held("flush() was called")
 
     def _flush_held(self, why: str) -> None:
         if self._last is not None:

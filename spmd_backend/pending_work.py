@@ -100,12 +100,12 @@ setattr(_forward_pre_hook, INTERNAL_HOOK_ATTR, True)
 
 def hold(objs: Iterable[Any], flush: Flush, name: str) -> None:
     """Record that ``flush`` must run before ``objs`` (modules, optimizers) are read."""
-    holder = _Holder(flush, name)
     for obj in objs:
         if obj is None:
             continue
         previous = _HELD.get(obj)
-        _HELD[obj] = holder if previous is None or previous.flush != flush else previous
+        if previous is None or previous.flush != flush:  # else: held since an earlier call
+            _HELD[obj] = _Holder(flush, name)
         if obj not in _STATE_HOOKED:
             _STATE_HOOKED.add(obj)
             if isinstance(obj, nn.Module):

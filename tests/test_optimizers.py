@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import spmd_backend
+from spmd_backend.testing.models import OneLowPrecisionLayer
 from spmd_backend.tracing.hyperparams import install, lifted_slots, slot_value
 
 CASES = [
@@ -342,18 +343,6 @@ def test_muon_matches_eager(door):
         torch.testing.assert_close(_state(model, opts[1]), _state(twin, refs[1]))
 
 
-class _OneLowPrecisionLayer(nn.Module):
-    """float32 layers around one layer converted to ``dtype`` (``model.b.to(torch.bfloat16)``)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32).to(dtype), nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.a(x)).to(self.b.weight.dtype)
-        return self.c(self.b(h).float())
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kw", [dict(lr=0.05), dict(lr=0.05, momentum=0.9)], ids=["plain", "momentum"])
 def test_a_low_precision_layer_is_trained_as_in_eager(fake_pg, dtype, kw):
@@ -362,7 +351,7 @@ def test_a_low_precision_layer_is_trained_as_in_eager(fake_pg, dtype, kw):
     layer was not trained at all (before 2026-11-27), silently; only float32 and float64
     groups default to fused."""
     torch.manual_seed(0)
-    model = _OneLowPrecisionLayer(dtype)
+    model = OneLowPrecisionLayer(dtype)
     twin, start = copy.deepcopy(model), copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), **kw)
     ref = torch.optim.SGD(twin.parameters(), **kw)
@@ -382,7 +371,7 @@ def test_a_fused_kernel_is_traced_once_per_dtype_as_eager_calls_it(fake_pg):
     from spmd_backend.graph.ops import is_fused_optimizer
 
     torch.manual_seed(0)
-    model = _OneLowPrecisionLayer(torch.bfloat16)
+    model = OneLowPrecisionLayer(torch.bfloat16)
     twin = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     ref = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
@@ -410,7 +399,7 @@ def test_an_explicit_fused_sgd_that_skips_low_precision_parameters_is_named(door
     from spmd_backend.testing import fake_process_group
 
     torch.manual_seed(0)
-    model = _OneLowPrecisionLayer(torch.bfloat16)
+    model = OneLowPrecisionLayer(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, fused=True)
     with fake_process_group(world_size=1):
         compiled = (spmd_backend.compile()(step) if door == "compile" else

@@ -332,18 +332,6 @@ def _dropout_case(inductor: bool, device: torch.device) -> dict:
     return out
 
 
-class _LowPrecisionLayer(torch.nn.Module):
-    """float32 layers around one layer of ``dtype`` (``model.b.to(torch.bfloat16)``)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        nn = torch.nn
-        self.a, self.b, self.c = nn.Linear(64, 256), nn.Linear(256, 256).to(dtype), nn.Linear(256, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(self.b(torch.tanh(self.a(x)).to(self.b.weight.dtype)).float())
-
-
 DTYPE_CASES = {
     "bf16/SGD": (torch.bfloat16, "SGD", {"lr": 0.05}),
     "bf16/SGD momentum": (torch.bfloat16, "SGD", {"lr": 0.05, "momentum": 0.9}),
@@ -369,7 +357,9 @@ def _dtype_case(case: str, steps: int, device: torch.device) -> dict:
 
     dtype, name, kw = DTYPE_CASES[case]
     torch.manual_seed(0)
-    model = _LowPrecisionLayer(dtype).to(device)
+    from spmd_backend.testing.models import OneLowPrecisionLayer
+
+    model = OneLowPrecisionLayer(dtype, (64, 256, 8)).to(device)
     ref, start = copy.deepcopy(model), copy.deepcopy(model)
     ddp = DDP(ref, device_ids=[device.index] if device.type == "cuda" else None)
     opt = getattr(torch.optim, name)(model.parameters(), **kw)

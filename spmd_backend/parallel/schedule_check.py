@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_backend.errors import SpmdDistributedError
+from spmd_backend.parallel import consistency
 
 #: bits of the digest each rank contributes (its code is below 2**20, so world * code**2
 #: stays exact in int64 for any world size below 2**22)
@@ -78,8 +79,6 @@ class ScheduleBook:
     def admit(self, lines: list[str], group: dist.ProcessGroup, timeout_s: float) -> str:
         """The digest of ``lines``; a digest not seen before is agreed with every rank first
         (:class:`SpmdDistributedError` on every rank when the ranks' lines differ)."""
-        from spmd_backend.parallel import consistency
-
         digest = consistency.signature_digest(lines)
         if digest in self.digests:
             return digest

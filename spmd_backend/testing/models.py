@@ -33,6 +33,21 @@ class MLP(nn.Module):
         return x
 
 
+class OneLowPrecisionLayer(nn.Module):
+    """float32 layers around one layer converted to ``dtype`` (``model.b.to(torch.bfloat16)``):
+    ``dims`` = (input, hidden, output)."""
+
+    def __init__(self, dtype: torch.dtype, dims: tuple[int, int, int] = (8, 32, 4)) -> None:
+        super().__init__()
+        d_in, hidden, d_out = dims
+        self.a, self.b = nn.Linear(d_in, hidden), nn.Linear(hidden, hidden).to(dtype)
+        self.c = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)).to(self.b.weight.dtype)
+        return self.c(self.b(h).float())
+
+
 class DummyModel(nn.Module):
     """The seed test's model: ``layers`` x (Linear(dim, dim), ReLU) in one Sequential."""
 
