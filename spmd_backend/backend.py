@@ -32,15 +32,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from spmd_backend import pipeline
-from spmd_backend.dynamo import audit, graphs, scope, step_cache
+from spmd_backend.dynamo import audit, graphs, per_graph, scope, step_cache
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import Phase
 from spmd_backend.memory import release_freed_heap
+from spmd_backend.parallel import consistency
 from spmd_backend.parallel.replicas import drift_error, rank_local_writes
 from spmd_backend.parallel.schedule_check import ScheduleBook
 from spmd_backend.pipeline import PipelineConfig
@@ -53,22 +55,16 @@ log = logging.getLogger(__name__)
 scope.install()
 
 
-def _runner(module: Any, after: Callable[[], None] | None = None) -> Any:
+def _runner(module: Any) -> Any:
     """A boxed callable (what AOTAutograd's compilers return) running ``module``."""
     from functorch.compile import make_boxed_func
 
-    def run(*args: Any) -> Any:
-        out = module(*args)
-        if after is not None:
-            after()
-        return out
-
-    return make_boxed_func(run)
+    return make_boxed_func(module)
 
 
 def _compile_aot(
     gm: fx.GraphModule, example_inputs: list[Any], config: PipelineConfig,
-    inputs: graphs.DynamoInputs, *, whole_step: bool,
+    inputs: graphs.DynamoInputs, *, whole_step: bool, facts: per_graph.BackwardFacts,
 ) -> Any:
     from torch._dynamo.backends.common import aot_autograd
 
@@ -107,12 +103,10 @@ def _compile_aot(
                 'backend="spmd": the backward graph carries no output descriptors; this torch '
                 "build is not supported (torch 2.13 is required)"
             )
-        reduced = graphs.mark_backward_outputs(g.graph, params)
+        facts.reduced = graphs.mark_backward_outputs(g.graph, params)
         graphs.annotate_phases(g.graph, default=Phase.BACKWARD)
         pipeline.expand(g, config)
-        module = pipeline.transform(g, config, with_optimizer=False, tag="backward").module
-        done = [inputs.params[i] for i in reduced]
-        return _runner(module, lambda: audit.mark_reduced(done))
+        return _runner(pipeline.transform(g, config, with_optimizer=False, tag="backward").module)
 
     cached = whole_step and _cache_key(gm, config, inputs)
     if cached:
@@ -255,9 +249,12 @@ def spmd_dynamo_backend(
             )
     # before compiling: ranks that took different paths learn it before the expensive part
     check = _schedule_check(gm, config, hooked, inputs.fqns) if whole_step else None
-    compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=whole_step)
+    facts = per_graph.BackwardFacts()
+    compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=whole_step, facts=facts)
     if whole_step and marked:
         compiled = _marking_reduced(compiled, [inputs.params[i] for i in dict.fromkeys(marked)])
+    elif not whole_step and hooked:
+        compiled = _per_graph_calls(compiled, gm, config, hooked, inputs.fqns, facts)
     compiled = _checked_before_each_call(compiled, hooked, inputs.fqns, check)
     release_freed_heap()  # what tracing and compiling freed, back to the OS
     return compiled
@@ -299,6 +296,26 @@ def _schedule_check(
     device = next(iter(params.values())).device
     hint = f" This rank's graph is frame {frame}'s compile {getattr(compile_id, 'frame_compile_id', '?')}."
     return lambda: book.check(digest, pg, device, 'backend="spmd"', hint)
+
+
+def _per_graph_calls(
+    compiled: Any, gm: fx.GraphModule, config: PipelineConfig, params: dict[int, torch.Tensor],
+    fqns: dict[int, str], facts: per_graph.BackwardFacts,
+) -> Any:
+    """A per-graph forward auditing the parameters each call receives and, on groups of several
+    ranks, agreeing before each of its backward graphs that every rank runs the same one
+    (:mod:`spmd_backend.dynamo.per_graph`)."""
+    mode = config.parallel
+    pg = mode.process_group()
+    check = mode.check_consistency and dist.get_world_size(pg) > 1
+    lines = [f"{fqns[i]}: {list(p.shape)} {p.dtype}" for i, p in params.items()]
+    compile_id = gm.meta.get("dynamo_compile_id")
+    where = (f"frame {getattr(compile_id, 'frame_id', '?')}'s compile "
+             f"{getattr(compile_id, 'frame_compile_id', '?')} ({', '.join(sorted(fqns[i] for i in params))[:200]})")
+    return per_graph.watching_each_call(
+        compiled, params, fqns, facts, consistency.signature_digest(lines),
+        per_graph.backward_schedule(pg) if check else None, where,
+    )
 
 
 def _checked_before_each_call(

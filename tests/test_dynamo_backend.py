@@ -329,6 +329,66 @@ def test_graph_break_in_the_model_falls_back_synchronized(rank_pool):
         assert message.startswith("parity, per-graph graphs") and not message.endswith(" 0")
 
 
+class _BrokenBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.fc(x)
+        torch._dynamo.graph_break()
+        return torch.tanh(x)
+
+
+class _BrokenBlocks(nn.Module):
+    """Three same-shaped blocks with a graph break each: Dynamo compiles the block's graph once
+    and runs it for every block, with that block's parameters as inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(_BrokenBlock() for _ in range(3))
+        self.c = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.a(x)
+        x = self.blocks[0](x)
+        x = self.blocks[1](x)
+        x = self.blocks[2](x)
+        return self.c(x)
+
+
+def _shared_block_graph_job(rank: int, world: int) -> int:
+    """Before 2026-11-27 the audit knew only the parameters a graph was compiled with, and
+    refused the second block's gradient as "not reduced" though the shared graph reduced it."""
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _BrokenBlocks()
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    graphs_before = counters["spmd"]["per_graph_graphs"]
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        compiled(model, opt, x)
+        train_step(ddp, ref_opt, x)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    return counters["spmd"]["per_graph_graphs"] - graphs_before
+
+
+def test_modules_that_share_a_compiled_graph_train_in_per_graph_mode(rank_pool):
+    for graphs in rank_pool.run(_shared_block_graph_job):
+        # a, the block's graph before its break, c and the optimizer step, not one per block
+        assert 0 < graphs < 6, graphs
+
+
 def test_eager_region_with_parameters_is_an_error(rank_pool):
     for message in rank_pool.run(_fallback_job, True):
         assert "no spmd-compiled backward reduced" in message, message

@@ -167,6 +167,113 @@ def test_ranks_that_pick_different_cached_graphs_fail_before_any_collective(rank
         assert unchanged and trained_after
 
 
+class _BranchOnValue(nn.Module):
+    """A value read inside forward picks one of two same-shaped layers (per-graph mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.l1, self.l2, self.c = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.l1(h) if which.item() == 1 else self.l2(h))
+        return self.c(h)
+
+
+class _SkippedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.fc(h)
+        torch._dynamo.graph_break()
+        return torch.tanh(h)
+
+
+class _LayerDrop(nn.Module):
+    """Same-shaped blocks sharing one compiled graph; the call says which block to skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(_SkippedBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, skip: int) -> torch.Tensor:
+        h = self.a(x)
+        if skip != 0:
+            h = self.blocks[0](h)
+        if skip != 1:
+            h = self.blocks[1](h)
+        return self.c(h)
+
+
+def _per_graph_divergence_job(rank: int, world: int, model_kind: str) -> tuple[str, bool, bool]:
+    """Per-graph mode: both paths compiled on both ranks (calls 1 and 2), then another one on
+    each rank. Before 2026-11-27 their backward graphs summed one layer's gradient into the
+    other's, silently (0.0065 off DDP in the probe)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _BranchOnValue() if model_kind == "item" else _LayerDrop()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(_twin_step, backend="spmd", options={"inductor": False})
+
+    def path(k: int):
+        return torch.tensor(k + 1) if model_kind == "item" else k
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for k in (0, 1):
+        step(model, opt, x, path(k))
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        step(model, opt, x, path(rank))
+        message = "ran"
+    except SpmdDistributedError as e:
+        message = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.zero_grad()
+    step(model, opt, x, path(1))  # the same path on every rank again: the step trains on
+    return message, unchanged, not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("model_kind", ["item", "layerdrop"])
+def test_per_graph_ranks_on_different_paths_fail_before_the_backward_collectives(
+        rank_pool, model_kind):
+    results = rank_pool.run(_per_graph_divergence_job, model_kind, timeout=120)
+    for message, unchanged, trained_after in results:
+        assert "per-graph mode" in message and "different collectives" in message, message
+        assert "This rank was about to run the backward graphs of" in message, message
+        assert unchanged and trained_after
+
+
+def _side_channel_job(rank: int, world: int) -> tuple[bool, list[bool]]:
+    """A group without a CPU backend (NCCL alone) checks through a gloo group of its ranks."""
+    import torch.distributed as dist
+
+    from spmd_backend.parallel import schedule_check
+
+    group = dist.new_group(list(range(world)))
+    has_cpu_backend = schedule_check._has_cpu_backend
+    schedule_check._has_cpu_backend = lambda g: False  # as for NCCL (the pool's process lives on)
+    try:
+        channel, device = schedule_check.cpu_channel(group, torch.device("meta"))
+    finally:
+        schedule_check._has_cpu_backend = has_cpu_backend
+    raised = []
+    for digest in ("ab" * 8, f"{rank}" * 16):
+        try:
+            schedule_check.agree_on_schedule(digest, group, "the test")
+            raised.append(False)
+        except SpmdDistributedError:
+            raised.append(True)
+    return channel is not group and device.type == "cpu", raised
+
+
+def test_a_group_without_cpu_backend_checks_through_a_gloo_group(rank_pool):
+    for separate, raised in rank_pool.run(_side_channel_job):
+        assert separate and raised == [False, True]
+
+
 def _first_step_without_sync_job(rank: int, world: int) -> tuple[bool, bool]:
     """Replicas initialized differently; a first compiled step with sync_module_states off
     leaves them different (its tensors are verified, not broadcast); a later step that asks

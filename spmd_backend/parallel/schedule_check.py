@@ -20,18 +20,24 @@ them start checking at the same call. Guarantees: :func:`agree_on_schedule` runs
 of two int64 numbers before the graph's first collective and raises
 :class:`~spmd_backend.errors.SpmdDistributedError` on every rank when the ranks' digests
 differ (the sums of a code and its square are equal to world x code and world x code^2 only
-when every rank's code is the same), so nothing is written and no other collective runs. On a
-GPU it reads the result back (a host synchronization per call), which is why it runs only for
-steps with several schedules.
+when every rank's code is the same), so nothing is written and no other collective runs. The
+numbers are CPU tensors (:func:`cpu_channel`): on a group without a CPU backend (NCCL alone) a
+gloo group of the same ranks carries them, created at the first check (a call every rank of
+the group makes), so the check never waits for the device's queued work; only where that group
+cannot be created does it fall back to the device (a host synchronization per call).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
 
 from spmd_backend.errors import SpmdDistributedError
 from spmd_backend.parallel import consistency
+
+log = logging.getLogger(__name__)
 
 #: bits of the digest each rank contributes (its code is below 2**20, so world * code**2
 #: stays exact in int64 for any world size below 2**22)
@@ -43,16 +49,55 @@ def schedule_code(digest: str) -> int:
     return int(digest[: _CODE_BITS // 4], 16) + 1
 
 
+#: process group name -> the group that carries its checks' CPU tensors
+_CHANNELS: dict[str, tuple[dist.ProcessGroup, torch.device]] = {}
+
+
+def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
+    try:
+        group._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+    return True
+
+
+def cpu_channel(group: dist.ProcessGroup, device: torch.device) -> tuple[dist.ProcessGroup, torch.device]:
+    """The group and device a check of ``group`` uses: ``group`` itself with CPU tensors when it
+    has a CPU backend (gloo, ``"cuda:nccl,cpu:gloo"``), else a gloo group over the same ranks,
+    made once (every rank of ``group`` must be calling), else ``group`` on ``device``."""
+    found = _CHANNELS.get(group.group_name)
+    if found is not None:
+        return found
+    if _has_cpu_backend(group):
+        found = (group, torch.device("cpu"))
+    else:
+        try:
+            side = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                  use_local_synchronization=True)
+            found = (side, torch.device("cpu"))
+        except (RuntimeError, ValueError) as e:  # no gloo in this build: the device it is
+            log.warning("spmd_backend: schedule checks of process group %s run on %s (a host "
+                        "synchronization per check): no gloo group (%s)", group.group_name,
+                        device, e)
+            found = (group, device)
+    _CHANNELS[group.group_name] = found
+    return found
+
+
 def agree_on_schedule(
-    digest: str, group: dist.ProcessGroup, device: torch.device, what: str, hint: str = ""
+    digest: str, group: dist.ProcessGroup, what: str, hint: str = "",
+    device: torch.device | None = None, state: str = "Nothing was changed by this call.",
 ) -> None:
-    """Raise on every rank of ``group`` unless every rank passes the same ``digest``."""
+    """Raise on every rank of ``group`` unless every rank passes the same ``digest``
+    (``device``: where the group's tensors live, used only without a CPU channel; ``state``:
+    what the error says was left as it was)."""
     world = dist.get_world_size(group)
     if world == 1 or dist.get_backend(group) == "fake":
         return
     code = schedule_code(digest)
-    sums = torch.tensor([code, code * code], dtype=torch.int64, device=device)
-    dist.all_reduce(sums, group=group)
+    channel, on = cpu_channel(group, device or torch.device("cpu"))
+    sums = torch.tensor([code, code * code], dtype=torch.int64, device=on)
+    dist.all_reduce(sums, group=channel)
     total, squares = (int(v) for v in sums.tolist())
     if world * squares != total * total:
         raise SpmdDistributedError(
@@ -62,7 +107,7 @@ def agree_on_schedule(
             "that differs between the ranks picked one of them on each rank: a non-tensor "
             "argument, a value read from a tensor (.item(), bool(tensor)), or a layer skipped "
             "at random (LayerDrop). Data-parallel training needs every rank to take the same "
-            f"path at each call. Nothing was changed by this call.{hint}"
+            f"path at each call. {state}{hint}"
         )
 
 
@@ -108,7 +153,7 @@ class ScheduleBook:
         """:func:`agree_on_schedule` for a graph of the book, once it holds two or more digests
         (a graph outside it, one without collectives, is not checked)."""
         if len(self.digests) > 1 and digest in self.digests:
-            agree_on_schedule(digest, group, device, what, hint)
+            agree_on_schedule(digest, group, what, hint, device)
 
 
-__all__ = ["ScheduleBook", "agree_on_schedule", "schedule_code"]
+__all__ = ["ScheduleBook", "agree_on_schedule", "cpu_channel", "schedule_code"]
