@@ -362,25 +362,32 @@ def _shared_block_graph_job(rank: int, world: int) -> int:
     """Before 2026-11-27 the audit knew only the parameters a graph was compiled with, and
     refused the second block's gradient as "not reduced" though the shared graph reduced it."""
     from torch._dynamo.utils import counters
+
+    graphs_before = counters["spmd"]["per_graph_graphs"]
+    _adam_steps_match_ddp(_BrokenBlocks, rank)
+    return counters["spmd"]["per_graph_graphs"] - graphs_before
+
+
+def _adam_steps_match_ddp(build, rank: int, steps: int = 3) -> None:
+    """``steps`` Adam steps of ``train_step`` through ``backend="spmd"`` on ``build()`` and
+    through DDP on a copy, each rank on its own batches; the parameters must match."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _BrokenBlocks()
+    model = build()
     ref = copy.deepcopy(model)
     ddp = DDP(ref)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     compiled = torch.compile(train_step, backend="spmd", options=FAST)
     gen = torch.Generator().manual_seed(rank)
-    graphs_before = counters["spmd"]["per_graph_graphs"]
-    for _ in range(3):
+    for _ in range(steps):
         x = torch.randn(4, 8, generator=gen)
         compiled(model, opt, x)
         train_step(ddp, ref_opt, x)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
-    return counters["spmd"]["per_graph_graphs"] - graphs_before
 
 
 def test_modules_that_share_a_compiled_graph_train_in_per_graph_mode(rank_pool):
@@ -491,6 +498,57 @@ def test_an_eager_region_names_the_graph_break_dynamo_reported(fake_pg):
     assert "the last graph break Dynamo reported in a spmd step was in train_step" in str(info.value)
     assert "Tensor.item()" in str(info.value), str(info.value)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@torch._dynamo.disable
+def _eager_linear(h, weight):
+    return nn.functional.linear(h, weight)
+
+
+class _TiedWeight(nn.Module):
+    """``emb.weight`` used in the first compiled graph and again after a graph break: in the
+    next compiled graph, or (``eager=True``) in a function Dynamo does not compile."""
+
+    def __init__(self, eager: bool) -> None:
+        super().__init__()
+        self.eager = eager
+        self.emb = nn.Linear(8, 8, bias=False)
+        self.mid = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(self.emb(x)))
+        if self.eager:
+            return _eager_linear(h, self.emb.weight)[:, :2]
+        torch._dynamo.graph_break()
+        h = torch.tanh(nn.functional.linear(h, self.emb.weight))
+        torch._dynamo.graph_break()
+        return nn.functional.linear(h, self.emb.weight)[:, :2]
+
+
+def test_a_parameter_also_used_in_an_eager_region_raises(fake_pg):
+    """Autograd sums the compiled (reduced) and the eager (unreduced) part of ``emb.weight``'s
+    gradient before accumulating it; before 2026-11-27 the audit saw only the sum and took it as
+    reduced (0.0144 off DDP after three steps on 2 ranks, silently)."""
+    import spmd_backend
+
+    torch._dynamo.reset()
+    model = _TiedWeight(eager=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
+    with pytest.raises(spmd_backend.SpmdUsageError, match="'emb.weight' comes partly from a compiled graph"):
+        compiled(model, opt, torch.randn(4, 8))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def _tied_across_graphs_job(rank: int, world: int) -> str:
+    _adam_steps_match_ddp(lambda: _TiedWeight(eager=False), rank)
+    return "parity"
+
+
+def test_a_parameter_used_by_three_compiled_graphs_trains_like_ddp(rank_pool):
+    """Three reduced contributions to one gradient: their sum arrives, and is accepted."""
+    assert rank_pool.run(_tied_across_graphs_job) == ["parity", "parity"]
 
 
 def test_fused_optimizer_is_captured_in_the_whole_step(rank_pool):

@@ -17,7 +17,11 @@ process-wide table. A compiled backward graph that reduced a parameter's gradien
 :class:`~spmd_backend.errors.SpmdUsageError` during ``backward()``, and
 :func:`check_before_step` raises before an optimizer-step graph uses a gradient that no compiled
 backward reduced. Both errors quote the last graph break Dynamo reported while compiling a frame
-for this backend (:func:`note_graph_breaks`, called from Dynamo's compile by eager_guard).
+for this backend (:func:`note_graph_breaks`, called from Dynamo's compile by eager_guard). In
+per-graph mode a tensor hook (:func:`watch_incoming`) also checks the gradient about to be
+accumulated against the contributions compiled backward graphs reduced for it
+(:func:`record_reduced`): autograd sums a compiled and an eager contribution before either hook
+sees them.
 """
 
 from __future__ import annotations
@@ -85,6 +89,63 @@ def _eager_cause() -> str:
             f" (the last graph break Dynamo reported in a spmd step was {_last_graph_break})")
     return ("a graph break inside the model ran part of it eagerly, or Dynamo stopped compiling "
             f"the step after its recompile limit{last}")
+
+
+class _IncomingAudit:
+    """Per-graph mode's tensor hook on a parameter: the gradient about to be accumulated must be
+    exactly what compiled backward graphs reduced for it in this ``backward()``.
+
+    Autograd sums every contribution to a parameter's gradient before accumulating it, so a
+    parameter used both inside a compiled graph and in an eager region of the same step (a
+    ``torch._dynamo.disable``-d function given ``self.emb.weight``) reached the post-accumulate
+    audit as one gradient, counted as reduced, with the eager part never reduced: 0.0144 off
+    DDP after three steps in the probe. The compiled backward node records its reduced
+    contributions (:func:`record_reduced`, holding them so that autograd sums out of place);
+    one contribution must be the very tensor that arrives, several their sum in arrival order
+    (bitwise, as autograd adds them). A gradient with no recorded contribution is left to the
+    post-accumulate audit (an eager-only gradient raises there)."""
+
+    #: not a user's hook: the compile door and the hook refusal skip it
+    spmd_internal = True
+
+    def __init__(self, fqn: str) -> None:
+        self.fqn = fqn
+        self.reduced: list[tuple[int, torch.Tensor]] = []  # (graph task id, gradient)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        mine = [g for t, g in self.reduced if t == task]
+        self.reduced.clear()  # also the contributions of a backward() that failed midway
+        if not mine or (len(mine) == 1 and grad is mine[0]) or grad.is_sparse:
+            return
+        total = mine[0]
+        for g in mine[1:]:
+            total = total + g
+        if len(mine) > 1 and torch.equal(grad, total):
+            return
+        raise SpmdUsageError(
+            f'backend="spmd": the gradient of parameter {self.fqn!r} comes partly from a '
+            "compiled graph, where it is reduced across ranks, and partly from code that runs "
+            "eagerly (a torch._dynamo.disable-d function or a region Dynamo does not compile, "
+            "given the parameter itself), where it is not: autograd sums both, and the sum "
+            "would not be synchronized. The optimizer has not stepped. Pass the eager code a "
+            "module's output instead of the parameter, or remove the graph break"
+        )
+
+
+def watch_incoming(param: torch.Tensor, fqn: str) -> None:
+    """Give ``param`` the incoming-gradient audit of per-graph mode (idempotent)."""
+    hooks = getattr(param, "_backward_hooks", None) or {}
+    if param.requires_grad and not any(isinstance(h, _IncomingAudit) for h in hooks.values()):
+        param.register_hook(_IncomingAudit(fqn))
+
+
+def record_reduced(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """A compiled backward graph reduced ``grad``, its contribution to ``param``'s gradient."""
+    for h in (getattr(param, "_backward_hooks", None) or {}).values():
+        if isinstance(h, _IncomingAudit):
+            h.reduced.append((torch._C._current_graph_task_id(), grad))
+            return
 
 
 def _audit_of(param: torch.Tensor) -> _Audit | None:
@@ -205,7 +266,9 @@ def refuse_gradient_hooks(params: dict[int, torch.Tensor], fqns: dict[int, str])
     """
     for i, p in params.items():
         post = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-        if getattr(p, "_backward_hooks", None) or any(not isinstance(h, _Audit) for h in post.values()):
+        pre = getattr(p, "_backward_hooks", None) or {}
+        if any(not isinstance(h, _IncomingAudit) for h in pre.values()) \
+                or any(not isinstance(h, _Audit) for h in post.values()):
             raise SpmdUsageError(
                 f'backend="spmd": parameter {fqns.get(i, "#" + str(i))!r} has a gradient hook '
                 "(register_hook or register_post_accumulate_grad_hook); the Dynamo door cannot "

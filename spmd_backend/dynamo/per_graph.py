@@ -20,7 +20,10 @@ forward graph is called, not when it is compiled:
 :func:`watching_each_call` wraps the compiled forward: after each call with gradients enabled
 it finds the call's own backward node (the ``CompiledFunctionBackward`` of the AOT function,
 identified by its ``_forward_cls``) and hooks it. Its post-hook marks the call's parameters
-reduced for the audit (:func:`~spmd_backend.dynamo.audit.mark_reduced`). On groups of two or
+reduced for the audit (:func:`~spmd_backend.dynamo.audit.mark_reduced`) and records each reduced
+gradient it produced for the parameter's incoming-gradient audit
+(:func:`~spmd_backend.dynamo.audit.record_reduced`: a parameter also used in an eager region
+raises instead of accumulating an unreduced part). On groups of two or
 more ranks with ``check_consistency`` on, the node also carries what its backward graph reduces
 (the digest of its parameters' names, shapes and dtypes, and the parameters received), and its
 pre-hook runs :meth:`BackwardSchedule.check_from` when it is the first such node of a
@@ -54,6 +57,9 @@ import torch.distributed as dist
 
 from spmd_backend.dynamo import audit
 from spmd_backend.parallel.schedule_check import agree_on_schedule
+
+#: the autograd node that accumulates a leaf's gradient (a parameter input's edge)
+AccumulateGrad = torch._C._functions.AccumulateGrad
 
 
 @dataclass
@@ -136,12 +142,16 @@ class BackwardSchedule:
             setattr(n, _COVERED, True)
 
 
-#: process group name -> its numbering (one per group: backward graphs of all frames share it)
-_SCHEDULES: dict[str, BackwardSchedule] = {}
+#: id of a process group -> its check (one per group object: backward graphs of all frames share
+#: it; a group destroyed and created again under the same name is another object)
+_SCHEDULES: dict[int, BackwardSchedule] = {}
 
 
 def backward_schedule(group: dist.ProcessGroup) -> BackwardSchedule:
-    return _SCHEDULES.setdefault(group.group_name, BackwardSchedule(group))
+    found = _SCHEDULES.get(id(group))
+    if found is None or found.group is not group:
+        found = _SCHEDULES[id(group)] = BackwardSchedule(group)
+    return found
 
 
 def _own_backward_node(out: Any, args: Sequence[Any], learned: list[type]) -> Any:
@@ -174,8 +184,14 @@ def _check_before(schedule: BackwardSchedule, node_ref: weakref.ref, _grads: Any
 
 
 @torch.compiler.disable
-def _mark_after(facts: BackwardFacts, used: dict[int, torch.Tensor], _in: Any, _out: Any) -> None:
-    audit.mark_reduced(used[i] for i in facts.reduced or () if i in used)
+def _mark_after(facts: BackwardFacts, used: dict[int, torch.Tensor],
+                slots: list[tuple[int, torch.Tensor]], grads: tuple, _out: Any) -> None:
+    reduced = [used[i] for i in facts.reduced or () if i in used]
+    audit.mark_reduced(reduced)
+    ids = {id(p) for p in reduced}
+    for k, p in slots:  # the node's k-th input is parameter p
+        if id(p) in ids and k < len(grads) and grads[k] is not None:
+            audit.record_reduced(p, grads[k])
 
 
 def watching_each_call(
@@ -196,11 +212,15 @@ def watching_each_call(
         used = {i: args[i] for i in params}
         for i, p in used.items():  # a module sharing this graph: watched from its first call
             audit.watch(p, fqns[i])
+            audit.watch_incoming(p, fqns[i])
+        ids = {id(p) for p in used.values()}
+        slots = [(k, m.variable) for k, (m, _) in enumerate(node.next_functions)
+                 if isinstance(m, AccumulateGrad) and id(m.variable) in ids]
 
         if schedule is not None:
             setattr(node, _ENTRY, (digest, list(used.values()), where))
             node.register_prehook(functools.partial(_check_before, schedule, weakref.ref(node)))
-        node.register_hook(functools.partial(_mark_after, facts, used))
+        node.register_hook(functools.partial(_mark_after, facts, used, slots))
         return out
 
     return run

@@ -49,8 +49,9 @@ def schedule_code(digest: str) -> int:
     return int(digest[: _CODE_BITS // 4], 16) + 1
 
 
-#: process group name -> the group that carries its checks' CPU tensors
-_CHANNELS: dict[str, tuple[dist.ProcessGroup, torch.device]] = {}
+#: id of a process group -> (that group, the group that carries its checks' CPU tensors, their
+#: device); by object, since a group destroyed and created again keeps its name
+_CHANNELS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup, torch.device]] = {}
 
 
 def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
@@ -65,9 +66,9 @@ def cpu_channel(group: dist.ProcessGroup, device: torch.device) -> tuple[dist.Pr
     """The group and device a check of ``group`` uses: ``group`` itself with CPU tensors when it
     has a CPU backend (gloo, ``"cuda:nccl,cpu:gloo"``), else a gloo group over the same ranks,
     made once (every rank of ``group`` must be calling), else ``group`` on ``device``."""
-    found = _CHANNELS.get(group.group_name)
-    if found is not None:
-        return found
+    known = _CHANNELS.get(id(group))
+    if known is not None and known[0] is group:
+        return known[1], known[2]
     if _has_cpu_backend(group):
         found = (group, torch.device("cpu"))
     else:
@@ -80,7 +81,7 @@ def cpu_channel(group: dist.ProcessGroup, device: torch.device) -> tuple[dist.Pr
                         "synchronization per check): no gloo group (%s)", group.group_name,
                         device, e)
             found = (group, device)
-    _CHANNELS[group.group_name] = found
+    _CHANNELS[id(group)] = (group, *found)
     return found
 
 
