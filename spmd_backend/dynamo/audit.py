@@ -102,8 +102,12 @@ class _IncomingAudit:
     DDP after three steps in the probe. The compiled backward node records its reduced
     contributions (:func:`record_reduced`, holding them so that autograd sums out of place);
     one contribution must be the very tensor that arrives, several their sum in arrival order
-    (bitwise, as autograd adds them). A gradient with no recorded contribution is left to the
-    post-accumulate audit (an eager-only gradient raises there)."""
+    (bitwise, as autograd adds them; NaN equal to NaN, as under a GradScaler's overflow). A
+    gradient with no recorded contribution is left to the post-accumulate audit (an eager-only
+    gradient raises there). Contributions are recorded only where the parameter's accumulation
+    runs in that ``backward()`` (not for ``torch.autograd.grad`` with respect to inputs), and a
+    new record drops those of other graph tasks (a ``backward()`` that failed midway), so at
+    most one step's records outlive their task."""
 
     #: not a user's hook: the compile door and the hook refusal skip it
     spmd_internal = True
@@ -115,13 +119,13 @@ class _IncomingAudit:
     def __call__(self, grad: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()
         mine = [g for t, g in self.reduced if t == task]
-        self.reduced.clear()  # also the contributions of a backward() that failed midway
+        self.reduced = [(t, g) for t, g in self.reduced if t != task]
         if not mine or (len(mine) == 1 and grad is mine[0]) or grad.is_sparse:
             return
         total = mine[0]
         for g in mine[1:]:
             total = total + g
-        if len(mine) > 1 and torch.equal(grad, total):
+        if len(mine) > 1 and bool(torch.isclose(grad, total, rtol=0, atol=0, equal_nan=True).all()):
             return
         raise SpmdUsageError(
             f'backend="spmd": the gradient of parameter {self.fqn!r} comes partly from a '
@@ -141,11 +145,20 @@ def watch_incoming(param: torch.Tensor, fqn: str) -> None:
 
 
 def record_reduced(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """A compiled backward graph reduced ``grad``, its contribution to ``param``'s gradient."""
+    """A compiled backward graph reduced ``grad``, its contribution to ``param``'s gradient in
+    the running ``backward()``. Autograd sums a parameter's contributions and accumulates once,
+    so only the first of this ``backward()`` counts as a pending reduced gradient
+    (:func:`mark_reduced`; counting each let pending reduced gradients pile up for a weight
+    used twice, and a later eager gradient pass as reduced)."""
+    task = torch._C._current_graph_task_id()
     for h in (getattr(param, "_backward_hooks", None) or {}).values():
         if isinstance(h, _IncomingAudit):
-            h.reduced.append((torch._C._current_graph_task_id(), grad))
+            h.reduced = [(t, g) for t, g in h.reduced if t == task]
+            if not h.reduced:
+                mark_reduced((param,))
+            h.reduced.append((task, grad))
             return
+    mark_reduced((param,))
 
 
 def _audit_of(param: torch.Tensor) -> _Audit | None:

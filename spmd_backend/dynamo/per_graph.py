@@ -19,14 +19,13 @@ forward graph is called, not when it is compiled:
 
 :func:`watching_each_call` wraps the compiled forward: after each call with gradients enabled
 it finds the call's own backward node (the ``CompiledFunctionBackward`` of the AOT function,
-identified by its ``_forward_cls``) and hooks it. Its post-hook marks the call's parameters
-reduced for the audit (:func:`~spmd_backend.dynamo.audit.mark_reduced`) and records each reduced
-gradient it produced for the parameter's incoming-gradient audit
-(:func:`~spmd_backend.dynamo.audit.record_reduced`: a parameter also used in an eager region
-raises instead of accumulating an unreduced part). On groups of two or
-more ranks with ``check_consistency`` on, the node also carries what its backward graph reduces
-(the digest of its parameters' names, shapes and dtypes, and the parameters received), and its
-pre-hook runs :meth:`BackwardSchedule.check_from` when it is the first such node of a
+identified by its ``_forward_cls``) and hooks it. Its post-hook records each reduced gradient
+it produced (:func:`~spmd_backend.dynamo.audit.record_reduced`): once per parameter and
+``backward()`` for the post-accumulate audit, each contribution for the incoming-gradient audit
+(a parameter also used in an eager region raises instead of accumulating an unreduced part).
+On groups of two or more ranks with ``check_consistency`` on, the node also carries what its
+backward graph reduces (the digest of its parameters' names, shapes and dtypes, and the
+parameters received), and its pre-hook runs :meth:`BackwardSchedule.check_from` when it is the first such node of a
 ``backward()`` to run: a walk of the autograd graph below it collects every checked node not yet
 covered, in ``next_functions`` order, and one all_reduce of two int64 numbers
 (:func:`~spmd_backend.parallel.schedule_check.agree_on_schedule`, on a CPU channel: no device
@@ -76,6 +75,8 @@ class BackwardFacts:
 #: covered it
 _ENTRY = "_spmd_per_graph_entry"
 _COVERED = "_spmd_per_graph_checked"
+#: set on every backward node this module hooked (an earlier call's node is never this call's)
+_SEEN = "_spmd_per_graph_seen"
 
 
 class BackwardSchedule:
@@ -124,11 +125,12 @@ class BackwardSchedule:
             if getattr(n, _COVERED, False):
                 continue
             stack.extend(m for m, _ in reversed(n.next_functions) if m is not None)
-        ours = [n for n in found if getattr(n, _ENTRY, None) is not None
+        ours = [n for n in found if getattr(n, _ENTRY, (None,) * 4)[3] is self
                 and not getattr(n, _COVERED, False)]
         numbers, new = self._number([p for n in ours for p in getattr(n, _ENTRY)[1]])
         lines = [getattr(n, _ENTRY)[0] for n in ours]
         code = hashlib.sha256(f"{lines}:{numbers}".encode()).hexdigest()
+        params = getattr(node, _ENTRY)[1]
         agree_on_schedule(
             code, self.group, 'backend="spmd" (per-graph mode)',
             f" This rank was about to run the backward graphs of {len(ours)} compiled "
@@ -136,6 +138,7 @@ class BackwardSchedule:
             state="No parameter was updated (zero the gradients before training on: where "
             "a backward() has separate compiled parts, those that ran before the check keep "
             "their gradients).",
+            device=params[0].device if params else None,
         )
         self._record(new)
         for n in ours:
@@ -167,7 +170,7 @@ def _own_backward_node(out: Any, args: Sequence[Any], learned: list[type]) -> An
         node = v.grad_fn
         for candidate in (node, *(n for n, _ in node.next_functions if n is not None)):
             cls = getattr(candidate, "_forward_cls", None)
-            if cls is None:
+            if cls is None or getattr(candidate, _SEEN, False):  # another call's node
                 continue
             if not learned and candidate is node:
                 learned.append(cls)
@@ -184,13 +187,14 @@ def _check_before(schedule: BackwardSchedule, node_ref: weakref.ref, _grads: Any
 
 
 @torch.compiler.disable
-def _mark_after(facts: BackwardFacts, used: dict[int, torch.Tensor],
-                slots: list[tuple[int, torch.Tensor]], grads: tuple, _out: Any) -> None:
-    reduced = [used[i] for i in facts.reduced or () if i in used]
-    audit.mark_reduced(reduced)
-    ids = {id(p) for p in reduced}
-    for k, p in slots:  # the node's k-th input is parameter p
-        if id(p) in ids and k < len(grads) and grads[k] is not None:
+def _mark_after(facts: BackwardFacts, slots: list[tuple[int, Any, int, torch.Tensor]],
+                grads: tuple, _out: Any) -> None:
+    """The call's reduced gradients, for the parameters whose accumulation runs in this
+    ``backward()`` (``torch.autograd.grad`` with respect to inputs accumulates nothing)."""
+    reduced = set(facts.reduced or ())
+    for k, acc, i, p in slots:  # the node's k-th input is parameter p, input i of the graph
+        if i in reduced and k < len(grads) and grads[k] is not None \
+                and torch._C._will_engine_execute_node(acc):
             audit.record_reduced(p, grads[k])
 
 
@@ -213,14 +217,15 @@ def watching_each_call(
         for i, p in used.items():  # a module sharing this graph: watched from its first call
             audit.watch(p, fqns[i])
             audit.watch_incoming(p, fqns[i])
-        ids = {id(p) for p in used.values()}
-        slots = [(k, m.variable) for k, (m, _) in enumerate(node.next_functions)
-                 if isinstance(m, AccumulateGrad) and id(m.variable) in ids]
-
+        position = {id(p): i for i, p in used.items()}
+        slots = [(k, m, position[id(m.variable)], m.variable)
+                 for k, (m, _) in enumerate(node.next_functions)
+                 if isinstance(m, AccumulateGrad) and id(m.variable) in position]
+        setattr(node, _SEEN, True)
         if schedule is not None:
-            setattr(node, _ENTRY, (digest, list(used.values()), where))
+            setattr(node, _ENTRY, (digest, list(used.values()), where, schedule))
             node.register_prehook(functools.partial(_check_before, schedule, weakref.ref(node)))
-        node.register_hook(functools.partial(_mark_after, facts, used, slots))
+        node.register_hook(functools.partial(_mark_after, facts, slots))
         return out
 
     return run
