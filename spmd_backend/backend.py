@@ -303,15 +303,16 @@ def _per_graph_calls(
     fqns: dict[int, str], facts: per_graph.BackwardFacts,
 ) -> Any:
     """A per-graph forward auditing the parameters each call receives and, on groups of several
-    ranks, agreeing before each of its backward graphs that every rank runs the same one
-    (:mod:`spmd_backend.dynamo.per_graph`)."""
+    ranks, tagging its backward node for the check that every rank runs the same backward graphs
+    (once per ``backward()``, :mod:`spmd_backend.dynamo.per_graph`)."""
     mode = config.parallel
     pg = mode.process_group()
     check = mode.check_consistency and dist.get_world_size(pg) > 1
     lines = [f"{fqns[i]}: {list(p.shape)} {p.dtype}" for i, p in params.items()]
     compile_id = gm.meta.get("dynamo_compile_id")
+    names = ", ".join(sorted(fqns[i] for i in params))[:200]
     where = (f"frame {getattr(compile_id, 'frame_id', '?')}'s compile "
-             f"{getattr(compile_id, 'frame_compile_id', '?')} ({', '.join(sorted(fqns[i] for i in params))[:200]})")
+             f"{getattr(compile_id, 'frame_compile_id', '?')} ({names})")
     return per_graph.watching_each_call(
         compiled, params, fqns, facts, consistency.signature_digest(lines),
         per_graph.backward_schedule(pg) if check else None, where,
