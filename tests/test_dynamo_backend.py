@@ -525,6 +525,28 @@ class _TiedWeight(nn.Module):
         return nn.functional.linear(h, self.emb.weight)[:, :2]
 
 
+class _LoopedBlocks(_BrokenBlocks):
+    def forward(self, x):
+        x = self.a(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.c(x)
+
+
+def test_a_graph_break_inside_a_loop_names_the_loop(fake_pg):
+    """Dynamo gives up on a function whose loop body breaks the graph (the transformers pattern
+    ``for layer in self.layers`` with a logging hook in each block): its own parameters' gradients
+    are eager and raise; the error says why the whole function runs eagerly."""
+    import spmd_backend
+
+    torch._dynamo.reset()
+    model = _LoopedBlocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
+    with pytest.raises(spmd_backend.SpmdUsageError, match="graph break inside a loop of this function"):
+        compiled(model, opt, torch.randn(4, 8))
+
+
 def test_a_parameter_also_used_in_an_eager_region_raises(fake_pg):
     """Autograd sums the compiled (reduced) and the eager (unreduced) part of ``emb.weight``'s
     gradient before accumulating it; before 2026-11-27 the audit saw only the sum and took it as

@@ -26,6 +26,7 @@ sees them.
 
 from __future__ import annotations
 
+import dis
 from collections.abc import Iterable
 from typing import Any
 
@@ -172,6 +173,14 @@ def watch(param: torch.Tensor, fqn: str) -> None:
         param.register_post_accumulate_grad_hook(_Audit(fqn))
 
 
+def _has_loop(code: Any) -> bool:
+    """Whether ``code`` iterates (a ``for`` loop); False for anything that is not a code object."""
+    try:
+        return any(i.opname == "FOR_ITER" for i in dis.get_instructions(code))
+    except TypeError:
+        return False
+
+
 def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int:
     """Dynamo gave up on a frame compiled for this backend and runs it eagerly (``reason``: a
     graph break it cannot resume from, e.g. a generator it cannot rebuild, its recompile limit,
@@ -188,6 +197,10 @@ def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int
     if not torch.is_grad_enabled():  # an evaluation under no_grad: no gradient to watch
         return 0
     note = f"Dynamo could not compile {_where(code)} and runs it eagerly: {reason}"
+    if _has_loop(code):
+        note += ("; a graph break inside a loop of this function (e.g. in each block of "
+                 "`for layer in self.layers`) makes Dynamo give up on the whole function: unroll "
+                 "the loop or remove the graph break")
     count = 0
     for _, fqn, p in trainable_parameters(values):
         watch(p, fqn)
