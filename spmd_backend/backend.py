@@ -275,6 +275,18 @@ def _marking_reduced(compiled: Any, params: list[torch.Tensor]) -> Any:
 _BOOKS: dict[tuple[str, Any], ScheduleBook] = {}
 
 
+def _reduced_lines(params: dict[int, torch.Tensor], fqns: dict[int, str]) -> list[str]:
+    """What a graph's collectives depend on, per reduced parameter in input order: the lines the
+    schedule checks of both modes digest."""
+    return [f"{fqns[i]}: {list(p.shape)} {p.dtype}" for i, p in params.items()]
+
+
+def _compile_name(gm: fx.GraphModule) -> str:
+    compile_id = gm.meta.get("dynamo_compile_id")
+    return (f"frame {getattr(compile_id, 'frame_id', '?')}'s compile "
+            f"{getattr(compile_id, 'frame_compile_id', '?')}")
+
+
 def _schedule_check(
     gm: fx.GraphModule, config: PipelineConfig, params: dict[int, torch.Tensor],
     fqns: dict[int, str],
@@ -291,10 +303,9 @@ def _schedule_check(
     compile_id = gm.meta.get("dynamo_compile_id")
     frame = getattr(compile_id, "frame_id", None)
     book = _BOOKS.setdefault((pg.group_name, frame), ScheduleBook(f"frame {frame}"))
-    lines = [f"{fqns[i]}: {list(p.shape)} {p.dtype}" for i, p in params.items()]
-    digest = book.admit(lines, pg, mode.consistency_timeout_s)
+    digest = book.admit(_reduced_lines(params, fqns), pg, mode.consistency_timeout_s)
     device = next(iter(params.values())).device
-    hint = f" This rank's graph is frame {frame}'s compile {getattr(compile_id, 'frame_compile_id', '?')}."
+    hint = f" This rank's graph is {_compile_name(gm)}."
     return lambda: book.check(digest, pg, device, 'backend="spmd"', hint)
 
 
@@ -308,14 +319,10 @@ def _per_graph_calls(
     mode = config.parallel
     pg = mode.process_group()
     check = mode.check_consistency and dist.get_world_size(pg) > 1
-    lines = [f"{fqns[i]}: {list(p.shape)} {p.dtype}" for i, p in params.items()]
-    compile_id = gm.meta.get("dynamo_compile_id")
     names = ", ".join(sorted(fqns[i] for i in params))[:200]
-    where = (f"frame {getattr(compile_id, 'frame_id', '?')}'s compile "
-             f"{getattr(compile_id, 'frame_compile_id', '?')} ({names})")
     return per_graph.watching_each_call(
-        compiled, params, fqns, facts, consistency.signature_digest(lines),
-        per_graph.backward_schedule(pg) if check else None, where,
+        compiled, params, fqns, facts, consistency.signature_digest(_reduced_lines(params, fqns)),
+        per_graph.backward_schedule(pg) if check else None, f"{_compile_name(gm)} ({names})",
     )
 
 
