@@ -176,10 +176,13 @@ def main() -> None:
                 f.write(table + "\n")
             print(f"wrote {pictures} and {os.path.join(args.out, 'bench.md')}")
     # torch 2.13: loss.backward() stashes a Python object in the thread-local state that the
-    # gloo work DDP launches from the backward captures; a ProcessGroupGloo destroyed while a
-    # worker thread still releases such a work deadlocks (the destructor joins the thread with
-    # the GIL held, the thread waits for the GIL). Let the workers drain on a barrier first.
+    # gloo work DDP launches from the backward captures. A gloo worker thread that releases such
+    # a work needs the GIL; the group's destructor (here when DDP's reducer goes, as main()
+    # returns) joins the workers with the GIL held: a worker still releasing one deadlocks the
+    # rank. A barrier alone left that window open (tools/ reproduction in docs/reliability.md);
+    # sleeping after it gives the GIL to the workers first.
     dist.barrier()
+    time.sleep(0.5)
     dist.destroy_process_group()
 
 

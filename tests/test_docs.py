@@ -6,6 +6,7 @@ import importlib
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -41,19 +42,38 @@ def test_writing_a_pass_tutorial(tmp_path, monkeypatch):
         sys.modules.pop("writing_a_pass_tutorial", None)
 
 
+def _run_with_stacks_on_hang(cmd: list[str], env: dict[str, str], limit_s: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; past ``limit_s`` kill the whole session (torchrun and its
+    ranks) and fail with the tail of its output, where every process wrote its threads' stacks
+    a minute before (tests/stack_dump/sitecustomize.py)."""
+    dump = str(ROOT / "tests" / "stack_dump")
+    env = {**env, "SPMD_TEST_STACKS_AFTER_S": str(max(1.0, limit_s - 60)),
+           "PYTHONPATH": os.pathsep.join([dump, env.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd[2:]} ran past {limit_s:.0f}s; its output's tail, with every "
+                    f"process's stacks:\n{out[-3000:]}\n{err[-30000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_transformer_example_runs_under_torchrun():
     torchrun = pathlib.Path(sys.executable).parent / "torchrun"
-    result = subprocess.run(
+    result = _run_with_stacks_on_hang(
         [str(torchrun), "--standalone", "--nproc_per_node", "2",
          str(ROOT / "examples" / "train_transformer.py"), "--steps", "6", "--layers", "1",
          "--no-pictures"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
         # Inductor compiles before the first steady step (the suite's default): `make demo`
         # compiles in the background, which tests/test_background_compile.py covers; here it
         # cost 69 s on a cold cache against 39 s blocking
-        env={**os.environ, "SPMD_BACKEND_BACKGROUND_COMPILE": "0"},
+        {**os.environ, "SPMD_BACKEND_BACKGROUND_COMPILE": "0"},
+        limit_s=480,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "largest parameter difference vs DDP" in result.stdout
