@@ -425,11 +425,13 @@ def _skipped_step(model, batch):
     return loss
 
 
-def _skipped_frame_job(rank: int, world: int, user_module: bool) -> str:
+def _skipped_frame_job(rank: int, world: int, user_module: bool, options: dict | None = None) -> str:
     """A step frame Dynamo gives up on. With a user's module, Dynamo compiles its forward as a
     frame of its own, whose backward reduces: parity with DDP. With ``nn.Sequential`` no graph
     of the backend ever saw the parameters: until 2026-11-26 each rank trained on its own
-    gradients, silently; now the eager gradient raises in ``backward()``, naming the frame."""
+    gradients, silently; then the eager gradient raised in ``backward()``, naming the frame;
+    since 2026-11-27 the eager gradients are reduced at the end of ``backward()`` as DDP does
+    (dynamo/eager_grads.py), and still raise without consistency checks."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import spmd_backend
@@ -439,7 +441,7 @@ def _skipped_frame_job(rank: int, world: int, user_module: bool) -> str:
     model = _UserMLP() if user_module else nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     ref = copy.deepcopy(model)
     ddp = DDP(ref)
-    compiled = torch.compile(_skipped_step, backend="spmd", options=FAST)
+    compiled = torch.compile(_skipped_step, backend="spmd", options={**FAST, **(options or {})})
     gen = torch.Generator().manual_seed(rank)
     try:
         for _ in range(3):
@@ -453,8 +455,15 @@ def _skipped_frame_job(rank: int, world: int, user_module: bool) -> str:
     return "parity"
 
 
+def test_a_step_dynamo_gives_up_on_trains_like_ddp(rank_pool):
+    """The whole step runs eagerly (the update written by hand in the frame): its gradients are
+    reduced at the end of ``backward()``, before the clipping and the update read them."""
+    assert rank_pool.run(_skipped_frame_job, False) == ["parity", "parity"]
+
+
 def test_a_step_dynamo_gives_up_on_is_never_unsynchronized(rank_pool):
-    for message in rank_pool.run(_skipped_frame_job, False):
+    """Without consistency checks no rank could tell another's eager gradients apart: refused."""
+    for message in rank_pool.run(_skipped_frame_job, False, {"check_consistency": False}):
         assert "Dynamo could not compile _skipped_step" in message, message
         assert "would not be synchronized across ranks" in message, message
 

@@ -27,7 +27,8 @@ sees them.
 from __future__ import annotations
 
 import dis
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ class _Audit:
 _last_graph_break: str | None = None
 
 
-def _where(code: Any) -> str:
+def where(code: Any) -> str:
     name = getattr(code, "co_name", "?")
     return f"{name} ({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')})"
 
@@ -81,7 +82,7 @@ def note_graph_breaks(code: Any, reasons: list[str]) -> None:
     """Dynamo broke the graph of ``code`` (a frame compiled for this backend) for ``reasons``."""
     global _last_graph_break
     if reasons:
-        _last_graph_break = f"in {_where(code)}: {'; '.join(r[:200] for r in reasons)}"
+        _last_graph_break = f"in {where(code)}: {'; '.join(r[:200] for r in reasons)}"
 
 
 def _eager_cause() -> str:
@@ -116,18 +117,43 @@ class _IncomingAudit:
     def __init__(self, fqn: str) -> None:
         self.fqn = fqn
         self.reduced: list[tuple[int, torch.Tensor]] = []  # (graph task id, gradient)
+        #: where the parameter's eager gradient parts go to be reduced, once a frame Dynamo
+        #: gave up on reached it (:mod:`spmd_backend.dynamo.eager_grads`); None: refused
+        self.eager: Any = None
+        self._param: weakref.ref | None = None
+        self._accumulator: Any = None
 
+    def adopt(self, registry: Any, param: torch.Tensor) -> None:
+        """Hand ``param``'s eager gradient parts to ``registry.collect`` from now on."""
+        self.eager = registry
+        self._param = weakref.ref(param)
+        self._accumulator = torch.autograd.graph.get_gradient_edge(param).node
+
+    @torch.compiler.disable  # autograd runs it inside a compiled step's backward(): not traced
     def __call__(self, grad: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()
         mine = [g for t, g in self.reduced if t == task]
         self.reduced = [(t, g) for t, g in self.reduced if t != task]
-        if not mine or (len(mine) == 1 and grad is mine[0]) or grad.is_sparse:
+        if (len(mine) == 1 and grad is mine[0]) or grad.is_sparse:
             return
-        total = mine[0]
-        for g in mine[1:]:
-            total = total + g
-        if len(mine) > 1 and bool(torch.isclose(grad, total, rtol=0, atol=0, equal_nan=True).all()):
+        total = None
+        if mine:
+            total = mine[0]
+            for g in mine[1:]:
+                total = total + g
+            if len(mine) > 1 and bool(torch.isclose(grad, total, rtol=0, atol=0, equal_nan=True).all()):
+                return
+        param = self._param() if self._param is not None else None
+        if self.eager is not None and param is not None:
+            if not torch._C._will_engine_execute_node(self._accumulator):
+                return  # torch.autograd.grad: nothing accumulates, nothing is reduced (as DDP)
+            if not mine:
+                mark_reduced((param,))  # reduced at the end of this backward()
+            self.eager.collect(param, self.fqn, grad if total is None else grad - total, total,
+                               param.grad is None)
             return
+        if not mine:
+            return  # an eager-only gradient: the post-accumulate audit raises
         raise SpmdUsageError(
             f'backend="spmd": the gradient of parameter {self.fqn!r} comes partly from a '
             "compiled graph, where it is reduced across ranks, and partly from code that runs "
@@ -143,6 +169,11 @@ def watch_incoming(param: torch.Tensor, fqn: str) -> None:
     hooks = getattr(param, "_backward_hooks", None) or {}
     if param.requires_grad and not any(isinstance(h, _IncomingAudit) for h in hooks.values()):
         param.register_hook(_IncomingAudit(fqn))
+
+
+def incoming_audit_of(param: torch.Tensor) -> _IncomingAudit | None:
+    hooks = getattr(param, "_backward_hooks", None) or {}
+    return next((h for h in hooks.values() if isinstance(h, _IncomingAudit)), None)
 
 
 def record_reduced(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -181,12 +212,15 @@ def _has_loop(code: Any) -> bool:
         return False
 
 
-def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int:
+def watch_skipped_frame(values: Iterable[object], code: Any, reason: str,
+                        adopt: Callable[[torch.Tensor, str], None] | None = None) -> int:
     """Dynamo gave up on a frame compiled for this backend and runs it eagerly (``reason``: a
     graph break it cannot resume from, e.g. a generator it cannot rebuild, its recompile limit,
     or any error under ``torch._dynamo.config.suppress_errors``); watch the trainable
     parameters of the modules and optimizers the frame reaches, when gradients are enabled.
-    Returns how many parameters it watches.
+    Returns how many parameters it watches. ``adopt`` (per-graph mode on a group that reduces
+    eager gradients, :mod:`spmd_backend.dynamo.eager_grads`) is given each of them: their eager
+    gradient parts are then reduced at the end of ``backward()`` instead of raising.
 
     A module whose ``forward`` Dynamo compiles as a frame of its own (a user's module) still
     trains: its compiled backward reduces the gradients. Otherwise (``nn.Sequential``, the
@@ -196,7 +230,7 @@ def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int
     ``backward()``, naming this frame."""
     if not torch.is_grad_enabled():  # an evaluation under no_grad: no gradient to watch
         return 0
-    note = f"Dynamo could not compile {_where(code)} and runs it eagerly: {reason}"
+    note = f"Dynamo could not compile {where(code)} and runs it eagerly: {reason}"
     if _has_loop(code):
         note += ("; a graph break inside a loop of this function (e.g. in each block of "
                  "`for layer in self.layers`) makes Dynamo give up on the whole function: unroll "
@@ -204,6 +238,8 @@ def watch_skipped_frame(values: Iterable[object], code: Any, reason: str) -> int
     count = 0
     for _, fqn, p in trainable_parameters(values):
         watch(p, fqn)
+        if adopt is not None:  # per-graph mode reduces its eager gradients
+            adopt(p, fqn)
         audit = _audit_of(p)
         if audit is not None:
             audit.skipped = note

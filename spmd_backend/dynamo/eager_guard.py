@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -48,6 +49,8 @@ import torch
 
 from spmd_backend.dynamo import audit, frame
 from spmd_backend.errors import SpmdError, SpmdUsageError
+
+log = logging.getLogger(__name__)
 
 #: the reasons Dynamo gives in ``CatchErrorsWrapper`` for skipping a frame it was asked to compile
 #: that this module refuses (other skips: a frame of a skipped file, a resumed generator), with
@@ -183,7 +186,22 @@ def _runs_eagerly_after(error: Exception, arguments: dict[str, Any]) -> bool:
     return isinstance(error, (exc.Unsupported, exc.UserError)) or bool(torch._dynamo.config.suppress_errors)
 
 
-def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any], bool]) -> Callable[..., Any]:
+def _eager_gradients(options: dict[str, Any] | None) -> Callable[[torch.Tensor, str], None] | None:
+    """Where a skipped frame's parameters go to have their eager gradients reduced
+    (:mod:`spmd_backend.dynamo.eager_grads`), for the backend configured by ``options``; None
+    where they stay refused."""
+    from spmd_backend.dynamo import eager_grads
+    from spmd_backend.pipeline import PipelineConfig
+
+    try:
+        registry = eager_grads.for_mode(PipelineConfig.from_options(options, door="dynamo").parallel)
+    except SpmdError:
+        return None
+    return None if registry is None else registry.adopt
+
+
+def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any], bool],
+                             options_of: Callable[[Any], dict[str, Any] | None]) -> Callable[..., Any]:
     """Wrap Dynamo's ``_compile`` so that a frame compiled for this backend that reached
     Dynamo's recompile limit, and would therefore run eagerly, is refused before it runs when
     it reaches a trained module (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`); when
@@ -220,7 +238,14 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
                 reason = f"{type(root).__name__}: {first[:300]}"
                 if not isinstance(e, (exc.Unsupported, exc.UserError)):
                     reason += " (an error torch._dynamo.config.suppress_errors turns into an eager run)"
-                audit.watch_skipped_frame(values, a["code"], reason)
+                adopt = _eager_gradients(options_of(compiler_fn))
+                count = audit.watch_skipped_frame(values, a["code"], reason, adopt)
+                if adopt is not None and count:
+                    log.warning(
+                        'backend="spmd": Dynamo could not compile %s and runs it eagerly (%s); '
+                        "the gradients it computes for %d parameter(s) are reduced at the end of "
+                        "backward() as DDP reduces them (slower than a compiled graph: "
+                        "TORCH_LOGS=graph_breaks shows why)", audit.where(a["code"]), reason, count)
             raise
         finally:
             audit.note_graph_breaks(a["code"], [
@@ -295,7 +320,7 @@ def install(ours: Callable[[Any], bool], options_of: Callable[[Any], dict[str, A
     import torch._dynamo.convert_frame as convert_frame
 
     if not getattr(convert_frame._compile, "_spmd_eager_guard", False):
-        convert_frame._compile = _refusing_eager_fallback(convert_frame._compile, ours)
+        convert_frame._compile = _refusing_eager_fallback(convert_frame._compile, ours, options_of)
         convert_frame._compile._spmd_eager_guard = True  # type: ignore[attr-defined]
 
     if not getattr(torch._dynamo.optimize, "_spmd_eager_guard", False):

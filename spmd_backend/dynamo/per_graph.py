@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spmd_backend.dynamo import audit
+from spmd_backend.dynamo import audit, eager_grads
 from spmd_backend.parallel.schedule_check import agree_on_schedule
 
 #: the autograd node that accumulates a leaf's gradient (a parameter input's edge)
@@ -129,7 +129,10 @@ class BackwardSchedule:
                 and not getattr(n, _COVERED, False)]
         numbers, new = self._number([p for n in ours for p in getattr(n, _ENTRY)[1]])
         lines = [getattr(n, _ENTRY)[0] for n in ours]
-        code = hashlib.sha256(f"{lines}:{numbers}".encode()).hexdigest()
+        # a group with parameters of eager regions (eager_grads) reduces their gradients at the
+        # end of this backward(): every rank opens that session here, and they agree it exists
+        eager = eager_grads.of_group(self.group)
+        code = hashlib.sha256(f"{lines}:{numbers}:{len(eager)}".encode()).hexdigest()
         params = getattr(node, _ENTRY)[1]
         agree_on_schedule(
             code, self.group, 'backend="spmd" (per-graph mode)',
@@ -143,6 +146,8 @@ class BackwardSchedule:
         self._record(new)
         for n in ours:
             setattr(n, _COVERED, True)
+        for registry in eager:
+            registry.begin()
 
 
 #: id of a process group -> its check (one per group object: backward graphs of all frames share

@@ -1,0 +1,188 @@
+"""spmd_backend/dynamo/eager_grads.py on 2 ranks: the gradients of a function Dynamo gives up on
+(a graph break inside its loop) are reduced at the end of ``backward()``, as DDP reduces them.
+
+Before 2026-11-27 such a step was refused (transformers' GPT-2 and Qwen3 with a hook in each
+block could not train in per-graph mode); the tests compare with DDP, so each fails when the
+reduction is skipped (each rank then steps on its own gradients).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytestmark = pytest.mark.multirank
+
+FAST = {"inductor": False}
+
+
+@torch._dynamo.disable
+def _log_shape(x: torch.Tensor) -> None:
+    """A logging call Dynamo does not compile: a graph break wherever it is called."""
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class _Body(nn.Module):
+    """``for block in self.blocks`` with a graph break in the loop: Dynamo gives up on this
+    ``forward`` and runs it eagerly (the embedding, the norm and ``extra`` are eager), and
+    compiles each block's ``forward`` as a frame of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.norm = nn.LayerNorm(16)
+        self.extra = nn.Parameter(torch.zeros(16))
+        self.use_extra = False
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            _log_shape(x)
+            x = block(x)
+        if self.use_extra:  # a per-rank choice in the eager region
+            x = x + self.extra
+        return self.norm(x)
+
+
+class _Model(nn.Module):
+    """The head is compiled (after the graph break at the body's call) and tied to the eager
+    embedding: its gradient is partly reduced (head), partly not (embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Body()
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.body.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.body(ids))
+
+
+def _step(model, opt, ids, micro: int = 1, set_to_none: bool = True):
+    opt.zero_grad(set_to_none=set_to_none)
+    for chunk in ids.chunk(micro):
+        logits = model(chunk)
+        nn.functional.cross_entropy(logits.flatten(0, 1), chunk.flatten()).backward()
+    opt.step()
+
+
+def _parity_job(rank: int, world: int, micro: int, set_to_none: bool) -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Model()
+    ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)  # ``extra`` is unused
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        ids = torch.randint(0, 32, (4, 6), generator=gen)
+        compiled(model, opt, ids, micro, set_to_none)
+        if micro == 1:
+            _step(ddp, ref_opt, ids, micro, set_to_none)
+        else:  # DDP reduces the accumulated gradient at the last micro-batch
+            ref_opt.zero_grad(set_to_none=set_to_none)
+            chunks = ids.chunk(micro)
+            with ddp.no_sync():
+                for chunk in chunks[:-1]:
+                    nn.functional.cross_entropy(ddp(chunk).flatten(0, 1), chunk.flatten()).backward()
+            nn.functional.cross_entropy(ddp(chunks[-1]).flatten(0, 1), chunks[-1].flatten()).backward()
+            ref_opt.step()
+    worst = 0.0
+    for p, q in zip(model.parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(p, q)
+        worst = max(worst, float((p - q).abs().max()))
+    return worst
+
+
+def test_a_loop_with_a_graph_break_trains_like_ddp(rank_pool):
+    """Embedding (tied to the compiled head), norm: eager; blocks and head: compiled."""
+    worst = rank_pool.run(_parity_job, 1, True)
+    assert worst[0] == worst[1] and worst[0] < 1e-6, worst
+
+
+def test_accumulated_gradients_keep_what_earlier_backwards_reduced(rank_pool):
+    """Two backward() calls per step into zeroed (not emptied) gradients: the second adds its
+    reduced part to what the first reduced, as DDP's mean of the sum does."""
+    worst = rank_pool.run(_parity_job, 2, False)
+    assert worst[0] < 1e-6, worst
+
+
+def _divergent_job(rank: int, world: int) -> str:
+    import spmd_backend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(rank))
+    compiled(model, opt, ids)
+    model.body.use_extra = rank == 1
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        compiled(model, opt, ids)
+    except spmd_backend.SpmdDistributedError as e:
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        return str(e)
+    return "trained"
+
+
+def test_ranks_whose_eager_regions_differ_raise_on_every_rank(rank_pool):
+    """Rank 1 also adds ``extra`` in the eager region: its list of eager gradients differs, so
+    both ranks raise before any of them is reduced into another's place, and nothing steps."""
+    for message in rank_pool.run(_divergent_job):
+        assert "gradients of the regions Dynamo runs eagerly" in message, message
+
+
+def _gpt2_job(rank: int, world: int) -> float:
+    """transformers' GPT-2 (tiny config, random init) with a logging hook on each block that
+    Dynamo does not compile: a graph break inside ``for block in self.h``."""
+    import transformers as tf
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    for block in model.transformer.h:
+        block.register_forward_hook(lambda mod, args, out: _log_shape(out[0]))
+    ddp = DDP(copy.deepcopy(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+
+    def step(m, o, ids):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        o.step()
+        o.zero_grad()
+
+    compiled = torch.compile(step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 16), generator=gen)
+        compiled(model, opt, ids)
+        step(ddp, ref_opt, ids)
+    worst = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
+    return worst
+
+
+@pytest.mark.slow
+def test_transformers_gpt2_with_a_hook_in_each_block_trains_like_ddp(rank_pool):
+    worst = rank_pool.run(_gpt2_job)
+    assert worst[0] < 1e-5, worst
