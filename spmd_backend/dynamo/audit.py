@@ -6,7 +6,9 @@ collective; when Dynamo gives up on a frame altogether (its recompile limit) the
 run eagerly: :func:`refuse_eager_fallback` refuses such a frame before it runs (the scope calls it
 from Dynamo's compile), when it reaches a module whose parameters are watched; a frame Dynamo
 gives up on while compiling it (a graph break it cannot resume from) has its trainable
-parameters watched (:func:`watch_skipped_frame`), so an eager gradient raises. Gradients
+parameters watched (:func:`watch_skipped_frame`), so an eager gradient raises (or, in
+per-graph mode on a checked group, is reduced at the end of ``backward()``:
+:mod:`spmd_backend.dynamo.eager_grads`). Gradients
 computed inside a compiled graph never trigger the hook (no AccumulateGrad runs), so it costs
 nothing in whole-step mode. :func:`watch` gives each parameter a post-accumulate-grad hook whose
 state (how many reduced gradients are pending, whether any was reduced since the last optimizer

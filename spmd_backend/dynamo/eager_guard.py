@@ -16,7 +16,10 @@ calling the backend, computes each rank's gradients alone. Dynamo does so silent
   (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`), and otherwise has the gradient
   audit watch the trainable parameters the frame reaches
   (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`), so an eager gradient raises in
-  ``backward()`` (before 2026-11-26: unsynchronized, silently, when no graph had seen them).
+  ``backward()`` (before 2026-11-26: unsynchronized, silently, when no graph had seen them),
+  or, where the configuration allows (:func:`spmd_backend.dynamo.eager_grads.for_mode`), is
+  reduced at the end of ``backward()`` as DDP reduces it (since 2026-11-27; warned once per
+  frame).
 
 Until 2026-11-26 the first three trained each rank on its own data with no error (0.08 off DDP
 after 5 Adam steps). :func:`install` now wraps ``torch._dynamo.optimize`` (for the first),
