@@ -33,6 +33,18 @@ class _Block(nn.Module):
         return x + torch.tanh(self.lin(x))
 
 
+class _GradInf(torch.autograd.Function):
+    """Identity whose backward makes the gradient infinite (an overflow in one rank's region)."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
 class _Body(nn.Module):
     """``for block in self.blocks`` with a graph break in the loop: Dynamo gives up on this
     ``forward`` and runs it eagerly (the embedding, the norm and ``extra`` are eager), and
@@ -45,14 +57,20 @@ class _Body(nn.Module):
         self.norm = nn.LayerNorm(16)
         self.extra = nn.Parameter(torch.zeros(16))
         self.use_extra = False
+        self.bn: nn.Module | None = None  # running statistics in the eager region
+        self.poison = False
 
     def forward(self, ids):
         x = self.emb(ids)
+        if self.bn is not None:
+            x = self.bn(x.transpose(1, 2)).transpose(1, 2)
         for block in self.blocks:
             _log_shape(x)
             x = block(x)
         if self.use_extra:  # a per-rank choice in the eager region
             x = x + self.extra
+        if self.poison:
+            return nn.functional.layer_norm(x, (16,), _GradInf.apply(self.norm.weight), self.norm.bias)
         return self.norm(x)
 
 
@@ -76,6 +94,18 @@ def _step(model, opt, ids, micro: int = 1, set_to_none: bool = True):
         logits = model(chunk)
         nn.functional.cross_entropy(logits.flatten(0, 1), chunk.flatten()).backward()
     opt.step()
+
+
+def _beside_ddp(step, model, opt, ddp, ref_opt, batch, rank: int, steps: int = 3) -> float:
+    """``steps`` calls of ``step`` compiled with ``backend="spmd"`` and eagerly on ``ddp``, on
+    this rank's batches; the largest parameter difference after them."""
+    compiled = torch.compile(step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        ids = batch(gen)
+        compiled(model, opt, ids)
+        step(ddp, ref_opt, ids)
+    return max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
 
 
 def _parity_job(rank: int, world: int, micro: int, set_to_none: bool) -> float:
@@ -122,24 +152,30 @@ def test_accumulated_gradients_keep_what_earlier_backwards_reduced(rank_pool):
     assert worst[0] < 1e-6, worst
 
 
-def _divergent_job(rank: int, world: int) -> str:
-    import spmd_backend
-
+def _second_step_on_rank_one(rank: int, flag: str, options: dict, error: type) -> str:
+    """One step, then set ``model.body.<flag>`` on rank 1 only and step again: the message of
+    ``error`` (which must leave the parameters as they were), or "stepped"."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    compiled = torch.compile(_step, backend="spmd", options={**FAST, **options})
     ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(rank))
     compiled(model, opt, ids)
-    model.body.use_extra = rank == 1
+    setattr(model.body, flag, rank == 1)
     before = [p.detach().clone() for p in model.parameters()]
     try:
         compiled(model, opt, ids)
-    except spmd_backend.SpmdDistributedError as e:
+    except error as e:
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         return str(e)
-    return "trained"
+    return "stepped"
+
+
+def _divergent_job(rank: int, world: int) -> str:
+    import spmd_backend
+
+    return _second_step_on_rank_one(rank, "use_extra", {}, spmd_backend.SpmdDistributedError)
 
 
 def test_ranks_whose_eager_regions_differ_raise_on_every_rank(rank_pool):
@@ -147,6 +183,74 @@ def test_ranks_whose_eager_regions_differ_raise_on_every_rank(rank_pool):
     both ranks raise before any of them is reduced into another's place, and nothing steps."""
     for message in rank_pool.run(_divergent_job):
         assert "gradients of the regions Dynamo runs eagerly" in message, message
+
+
+def _first_rank_state_job(rank: int, world: int) -> list[float]:
+    """Each rank initializes its own model (another seed) with a BatchNorm in the eager region:
+    DDP's constructor broadcasts rank 0's parameters and buffers, and DDP broadcasts rank 0's
+    buffers before each forward. The eager region's parameters and buffers were never
+    broadcast (0.61 between the replicas after 3 steps, found in review)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(rank)
+    model = _Model()
+    model.body.bn = nn.BatchNorm1d(16)
+    ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    params = _beside_ddp(_step, model, opt, ddp, ref_opt, lambda g: torch.randint(0, 32, (4, 6), generator=g), rank)
+    first = ddp.module.body.bn.running_mean.clone()  # rank 0's: what DDP's next forward uses
+    torch.distributed.broadcast(first, 0)
+    return [params, float((model.body.bn.running_mean - first).abs().max())]
+
+
+def test_replicas_start_from_the_first_ranks_state_and_keep_its_buffers(rank_pool):
+    for params, buffers in rank_pool.run(_first_rank_state_job):
+        assert params < 1e-6 and buffers < 1e-6, (params, buffers)
+
+
+def _non_finite_job(rank: int, world: int) -> str:
+    import spmd_backend
+
+    return _second_step_on_rank_one(rank, "poison", {"check_finite_grads": True},
+                                    spmd_backend.SpmdRuntimeError)
+
+
+def test_check_finite_grads_covers_the_eager_region(rank_pool):
+    """An Inf in one rank's eager norm gradient: the reduced part is Inf on every rank, which
+    raise together before anything steps (it was reduced and stepped on, found in review)."""
+    for message in rank_pool.run(_non_finite_job):
+        assert "non-finite gradient for body.norm.weight" in message, message
+
+
+@torch._dynamo.disable
+def _local_grads(model, x):
+    return torch.autograd.grad(model(x).pow(2).mean(), list(model.parameters()))
+
+
+def _penalty_step(model, x):
+    h = x
+    for layer in model:  # a graph break in the loop: Dynamo gives up on this frame
+        _log_shape(h)
+        h = layer(h)
+    return [g.detach() for g in torch.autograd.grad(h.pow(2).mean(), list(model.parameters()))]
+
+
+def _autograd_grad_job(rank: int, world: int) -> bool:
+    """``torch.autograd.grad`` over the parameters of a frame Dynamo gives up on returns each
+    rank's own gradients, as with DDP; it crashed ("a leaf node was passed to
+    _will_engine_execute_node") from the first version of the eager reduction."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    got = torch.compile(_penalty_step, backend="spmd", options=FAST)(model, x)
+    return all(torch.equal(a, b) for a, b in zip(got, _local_grads(model, x)))
+
+
+def test_autograd_grad_in_an_eager_frame_returns_local_gradients(rank_pool):
+    assert rank_pool.run(_autograd_grad_job) == [True, True]
 
 
 def _gpt2_job(rank: int, world: int) -> float:
@@ -172,14 +276,7 @@ def _gpt2_job(rank: int, world: int) -> float:
         o.step()
         o.zero_grad()
 
-    compiled = torch.compile(step, backend="spmd", options=FAST)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        ids = torch.randint(0, 64, (2, 16), generator=gen)
-        compiled(model, opt, ids)
-        step(ddp, ref_opt, ids)
-    worst = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
-    return worst
+    return _beside_ddp(step, model, opt, ddp, ref_opt, lambda g: torch.randint(0, 64, (2, 16), generator=g), rank)
 
 
 @pytest.mark.slow

@@ -48,6 +48,19 @@ def test_gradients_with_respect_to_inputs_record_nothing():
     assert lin.weight.grad is not None and audit._audit_of(lin.weight).pending == 0
 
 
+def test_gradients_with_respect_to_parameters_return_without_recording():
+    """``torch.autograd.grad(loss, model.parameters())`` (a gradient penalty) captures the
+    parameters' gradients instead of accumulating them; asking torch whether a leaf's
+    accumulator runs then raises ("a leaf node was passed to _will_engine_execute_node"), which
+    crashed the step until 2026-11-27."""
+    torch._dynamo.reset()
+    lin = nn.Linear(4, 4)
+    f = torch.compile(lambda x: torch.tanh(lin(x)), backend=_watched_backend)
+    grads = torch.autograd.grad(f(torch.randn(2, 4)).sum(), list(lin.parameters()))
+    assert all(g is not None for g in grads)
+    assert _incoming(lin.weight).reduced == [] and audit._audit_of(lin.weight).pending == 0
+
+
 def test_several_compiled_contributions_are_accepted_even_when_not_finite():
     """A weight used by two calls gets the sum of two reduced contributions; an overflow (a
     GradScaler step that will be skipped) makes them NaN, which must not read as an eager

@@ -123,13 +123,12 @@ class _IncomingAudit:
         #: gave up on reached it (:mod:`spmd_backend.dynamo.eager_grads`); None: refused
         self.eager: Any = None
         self._param: weakref.ref | None = None
-        self._accumulator: Any = None
 
     def adopt(self, registry: Any, param: torch.Tensor) -> None:
-        """Hand ``param``'s eager gradient parts to ``registry.collect`` from now on."""
+        """Hand ``param``'s eager gradient parts to ``registry.collect`` from now on (the
+        parameter held weakly: its accumulator node, which holds it, is looked up per call)."""
         self.eager = registry
         self._param = weakref.ref(param)
-        self._accumulator = torch.autograd.graph.get_gradient_edge(param).node
 
     @torch.compiler.disable  # autograd runs it inside a compiled step's backward(): not traced
     def __call__(self, grad: torch.Tensor) -> None:
@@ -147,7 +146,7 @@ class _IncomingAudit:
                 return
         param = self._param() if self._param is not None else None
         if self.eager is not None and param is not None:
-            if not torch._C._will_engine_execute_node(self._accumulator):
+            if not accumulates(torch.autograd.graph.get_gradient_edge(param).node):
                 return  # torch.autograd.grad: nothing accumulates, nothing is reduced (as DDP)
             if not mine:
                 mark_reduced((param,))  # reduced at the end of this backward()
@@ -164,6 +163,16 @@ class _IncomingAudit:
             "would not be synchronized. The optimizer has not stepped. Pass the eager code a "
             "module's output instead of the parameter, or remove the graph break"
         )
+
+
+def accumulates(node: Any) -> bool:
+    """Whether the running ``backward()`` executes the gradient accumulator ``node`` (False under
+    ``torch.autograd.grad``, which captures gradients instead: torch refuses to answer for a
+    leaf's node there)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
 
 
 def watch_incoming(param: torch.Tensor, fqn: str) -> None:
@@ -215,14 +224,15 @@ def _has_loop(code: Any) -> bool:
 
 
 def watch_skipped_frame(values: Iterable[object], code: Any, reason: str,
-                        adopt: Callable[[torch.Tensor, str], None] | None = None) -> int:
+                        adopt: Callable[[list[Any], list[tuple[str, torch.Tensor]]], None] | None = None) -> int:
     """Dynamo gave up on a frame compiled for this backend and runs it eagerly (``reason``: a
     graph break it cannot resume from, e.g. a generator it cannot rebuild, its recompile limit,
     or any error under ``torch._dynamo.config.suppress_errors``); watch the trainable
     parameters of the modules and optimizers the frame reaches, when gradients are enabled.
     Returns how many parameters it watches. ``adopt`` (per-graph mode on a group that reduces
-    eager gradients, :mod:`spmd_backend.dynamo.eager_grads`) is given each of them: their eager
-    gradient parts are then reduced at the end of ``backward()`` instead of raising.
+    eager gradients, :mod:`spmd_backend.dynamo.eager_grads`) is given the frame's values and
+    those ``(fqn, parameter)``: their eager gradient parts are then reduced at the end of
+    ``backward()`` instead of raising.
 
     A module whose ``forward`` Dynamo compiles as a frame of its own (a user's module) still
     trains: its compiled backward reduces the gradients. Otherwise (``nn.Sequential``, the
@@ -238,10 +248,13 @@ def watch_skipped_frame(values: Iterable[object], code: Any, reason: str,
                  "`for layer in self.layers`) makes Dynamo give up on the whole function: unroll "
                  "the loop or remove the graph break")
     count = 0
-    for _, fqn, p in trainable_parameters(values):
+    values = list(values)
+    found = [(fqn, p) for _, fqn, p in trainable_parameters(values)]
+    for fqn, p in found:
         watch(p, fqn)
-        if adopt is not None:  # per-graph mode reduces its eager gradients
-            adopt(p, fqn)
+    if adopt is not None and found:  # per-graph mode reduces its eager gradients
+        adopt(values, found)
+    for _, p in found:
         audit = _audit_of(p)
         if audit is not None:
             audit.skipped = note

@@ -26,30 +26,44 @@ of two int64 numbers, so ranks whose eager regions differ raise
 :class:`~spmd_backend.errors.SpmdDistributedError` instead of summing one parameter's gradient
 into another's.
 
+When a frame is adopted (all ranks compile it at the same call), its parameters and the buffers
+of the modules it reaches are verified across ranks and broadcast from the group's first rank
+once (``sync_module_states``, as DDP's constructor), and after each ``backward()`` the persistent
+buffers (running statistics) are broadcast again (DDP's ``broadcast_buffers``, which DDP does
+before the next forward: the values that forward reads are the same). With
+``check_finite_grads`` a non-finite reduced part raises :class:`~spmd_backend.errors.SpmdRuntimeError`
+on every rank (the reduced values are the same everywhere) before anything is written.
+
 Requires: a process group of two or more ranks with ``check_consistency`` on (without it, or
 with ``shard_optimizer``, whose gradients the optimizer graph expects in another form, nothing is
 adopted and an eager gradient is refused as before); a one-rank group needs no reduction (adopted
 parameters train as they are). Guarantees: the gradient after ``backward()`` is the gradient before
-it plus the compiled contributions plus the reduced eager part, equal to DDP's up to the rounding
-of the subtraction (none when ``.grad`` was empty and nothing compiled contributed); with
-``torch.autograd.grad`` (no accumulation) nothing is reduced or written, as with DDP. Costs: one
-extra gradient-sized tensor per adopted parameter with an eager part until the callback, one small
-all_reduce per ``backward()`` once a group has adopted parameters, and one all_reduce per dtype of
-the eager parts.
+it plus the compiled contributions plus the reduced eager part, equal to DDP's up to rounding:
+the subtraction that separates a tied weight's eager part from its compiled one, and, with
+``gradient_compression``, each part rounded to the compression dtype on its own (2.6e-4 off a
+DDP ``bf16_compress_hook`` reference for a tied weight in review, 0 untied); none when ``.grad``
+was empty and nothing compiled contributed. With ``torch.autograd.grad`` (no accumulation)
+nothing is reduced or written, as with DDP. Costs: one extra gradient-sized tensor per adopted
+parameter with an eager part until the callback, one small all_reduce per ``backward()`` once a
+group has adopted parameters, one all_reduce per (dtype, device) of the eager parts, and one
+broadcast per persistent buffer of the adopted frames' modules. Not run on a GPU yet.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from spmd_backend.dynamo import audit
+from spmd_backend.errors import SpmdRuntimeError
 from spmd_backend.parallel.consistency import signature_digest
 from spmd_backend.parallel.data_parallel import DataParallel
 from spmd_backend.parallel.schedule_check import agree_on_schedule
+from spmd_backend.parallel.state_sync import sync_module_states
 
 
 @dataclass
@@ -95,14 +109,25 @@ class _Session:
         by_kind: dict[tuple[torch.dtype, torch.device], list[_Part]] = {}
         for p in parts:
             by_kind.setdefault((p.eager.dtype, p.eager.device), []).append(p)
+        results: list[tuple[_Part, torch.Tensor]] = []
         for (dtype, _), group in by_kind.items():
             reduced = owner.reduce(torch.cat([p.eager.reshape(-1) for p in group]))
             offset = 0
             for p in group:
                 n = p.eager.numel()
-                part = reduced[offset:offset + n].view_as(p.eager).to(dtype)
+                results.append((p, reduced[offset:offset + n].view_as(p.eager).to(dtype)))
                 offset += n
-                _write(p, part)
+        if owner.mode.check_finite_grads:  # the reduced values are the same on every rank
+            bad = next((p.fqn for p, r in results if not bool(torch.isfinite(r).all())), None)
+            if bad is not None:
+                raise SpmdRuntimeError(
+                    f"spmd_backend: non-finite gradient for {bad} (reduced at the end of "
+                    "backward(), computed in a region Dynamo runs eagerly); no gradient of this "
+                    "region was written and no parameter was updated"
+                )
+        for p, r in results:
+            _write(p, r)
+        owner.broadcast_buffers()
 
 
 def _write(p: _Part, reduced: torch.Tensor) -> None:
@@ -121,12 +146,50 @@ class EagerGradients:
     session of the running ``backward()``."""
 
     def __init__(self, mode: DataParallel, group: dist.ProcessGroup) -> None:
+        self.mode = mode
         self.group = group
         self.world = dist.get_world_size(group)
         self.average = mode.reduce_op == "avg"
         self.compression = mode.compression(self.world)
         self.adopted: dict[int, weakref.ref] = {}
+        #: persistent buffers of the modules adopted frames reach, broadcast after each backward()
+        self.buffers: dict[int, weakref.ref] = {}
         self.current: _Session | None = None
+
+    def adopt_frame(self, values: list[Any], params: list[tuple[str, torch.Tensor]]) -> None:
+        """A frame Dynamo gave up on reaches ``values`` (its modules' trainable ``params``, by
+        FQN): verify them and the modules' buffers across ranks and broadcast them from the
+        group's first rank (``sync_module_states``, once per tensor: what DDP's constructor
+        does), then reduce the parameters' eager gradient parts from now on."""
+        tensors: dict[int, tuple[str, torch.Tensor]] = {id(p): (fqn, p) for fqn, p in params}
+        for v in values:
+            if not isinstance(v, torch.nn.Module):
+                continue
+            for prefix, module in v.named_modules():
+                for name, b in module._buffers.items():
+                    if b is None or id(b) in tensors:
+                        continue
+                    tensors[id(b)] = (f"{prefix}.{name}" if prefix else name, b)
+                    if name not in module._non_persistent_buffers_set:
+                        key = id(b)
+                        self.buffers[key] = weakref.ref(b, lambda _, k=key: self.buffers.pop(k, None))
+        if self.world > 1:
+            named = list(tensors.values())
+            sync_module_states([t for _, t in named], self.mode, [n for n, _ in named])
+        for fqn, p in params:
+            self.adopt(p, fqn)
+
+    def broadcast_buffers(self) -> None:
+        """DDP's ``broadcast_buffers``: the adopted frames' persistent buffers (running
+        statistics) from the group's first rank, after each ``backward()``."""
+        if self.world == 1 or not self.mode.broadcast_buffers:
+            return
+        src = self.mode.src_rank()
+        with torch.no_grad():
+            for ref in list(self.buffers.values()):
+                b = ref()
+                if b is not None:
+                    dist.broadcast(b, src=src, group=self.group)
 
     def adopt(self, param: torch.Tensor, fqn: str) -> None:
         """Reduce ``param``'s eager gradient parts from now on (idempotent)."""
@@ -163,13 +226,13 @@ class EagerGradients:
         return buf
 
 
-#: (id of a process group, reduce op, compression) -> the parameters adopted for it (by group
-#: object, as the per-graph check: a group destroyed and created again is another object)
-_REGISTRIES: dict[tuple[int, str, str | None], EagerGradients] = {}
+#: (id of a process group, the options the reduction reads) -> the parameters adopted for it (by
+#: group object, as the per-graph check: a group destroyed and created again is another object)
+_REGISTRIES: dict[tuple[Any, ...], EagerGradients] = {}
 
 
 def for_mode(mode: DataParallel) -> EagerGradients | None:
-    """The adopted-parameter registry of ``mode`` (its process group, reduce op and compression),
+    """The adopted-parameter registry of ``mode`` (its process group and the options it reads),
     or None where eager gradients stay refused (no process group, ``shard_optimizer``, or
     ``check_consistency`` off or the fake backend on several ranks)."""
     if not dist.is_available() or not dist.is_initialized() or mode.shard_optimizer:
@@ -178,7 +241,8 @@ def for_mode(mode: DataParallel) -> EagerGradients | None:
     if dist.get_world_size(group) > 1 and (not mode.check_consistency
                                            or dist.get_backend(group) == "fake"):
         return None
-    key = (id(group), mode.reduce_op, mode.gradient_compression)
+    key = (id(group), mode.reduce_op, mode.gradient_compression, mode.check_finite_grads,
+           mode.broadcast_buffers, mode.sync_module_states)
     found = _REGISTRIES.get(key)
     if found is None or found.group is not group:
         found = _REGISTRIES[key] = EagerGradients(mode, group)

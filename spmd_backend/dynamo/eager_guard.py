@@ -189,7 +189,7 @@ def _runs_eagerly_after(error: Exception, arguments: dict[str, Any]) -> bool:
     return isinstance(error, (exc.Unsupported, exc.UserError)) or bool(torch._dynamo.config.suppress_errors)
 
 
-def _eager_gradients(options: dict[str, Any] | None) -> Callable[[torch.Tensor, str], None] | None:
+def _eager_gradients(options: dict[str, Any] | None) -> Callable[[list[Any], list[tuple[str, torch.Tensor]]], None] | None:
     """Where a skipped frame's parameters go to have their eager gradients reduced
     (:mod:`spmd_backend.dynamo.eager_grads`), for the backend configured by ``options``; None
     where they stay refused."""
@@ -200,7 +200,7 @@ def _eager_gradients(options: dict[str, Any] | None) -> Callable[[torch.Tensor, 
         registry = eager_grads.for_mode(PipelineConfig.from_options(options, door="dynamo").parallel)
     except SpmdError:
         return None
-    return None if registry is None else registry.adopt
+    return None if registry is None else registry.adopt_frame
 
 
 def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any], bool],

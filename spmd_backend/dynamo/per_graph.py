@@ -199,7 +199,7 @@ def _mark_after(facts: BackwardFacts, slots: list[tuple[int, Any, int, torch.Ten
     reduced = set(facts.reduced or ())
     for k, acc, i, p in slots:  # the node's k-th input is parameter p, input i of the graph
         if i in reduced and k < len(grads) and grads[k] is not None \
-                and torch._C._will_engine_execute_node(acc):
+                and audit.accumulates(acc):
             audit.record_reduced(p, grads[k])
 
 
