@@ -7,7 +7,8 @@ the frames it calls (each block's ``forward``) are compiled. The compiled backwa
 their parameters' gradients; the eager ones (embeddings, the final norm, a weight tied between the
 embedding and a compiled head) were not reduced, and the audit refused such a step: DDP trains
 these models, this backend could not. Now, for the trainable parameters a skipped frame reaches
-(:func:`~spmd_backend.dynamo.audit.watch_skipped_frame` hands them to :meth:`EagerGradients.adopt`),
+(:func:`~spmd_backend.dynamo.audit.watch_skipped_frame` hands them to
+:meth:`EagerGradients.adopt_frame`),
 the incoming-gradient hook of :mod:`~spmd_backend.dynamo.audit` passes the part of each gradient
 that no compiled graph reduced (all of it, or the gradient less the compiled contributions) to
 :meth:`EagerGradients.collect`, and one callback at the end of the ``backward()``
