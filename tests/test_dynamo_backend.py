@@ -544,8 +544,9 @@ class _LoopedBlocks(_BrokenBlocks):
 
 def test_a_graph_break_inside_a_loop_names_the_loop(fake_pg):
     """Dynamo gives up on a function whose loop body breaks the graph (the transformers pattern
-    ``for layer in self.layers`` with a logging hook in each block): its own parameters' gradients
-    are eager and raise; the error says why the whole function runs eagerly."""
+    ``for layer in self.layers`` with a logging hook in each block): where its eager gradients
+    cannot be reduced (here the fake backend; tests/test_eager_grads.py reduces them on 2 gloo
+    ranks) they raise, and the error says why the whole function runs eagerly."""
     import spmd_backend
 
     torch._dynamo.reset()
