@@ -195,8 +195,6 @@ def test_state_is_sharded_and_clip_takes_the_all_reduce_path(rank_pool) -> None:
 
 
 def _state_dict_on_one_rank_job(rank: int, world: int) -> dict:
-    import time
-
     import spmd_backend
     from spmd_backend.errors import SpmdDistributedError
     from spmd_backend.testing.models import MLP
@@ -214,8 +212,10 @@ def _state_dict_on_one_rank_job(rank: int, world: int) -> dict:
             opt.state_dict()
         except SpmdDistributedError as e:
             alone = str(e)
-    else:
-        time.sleep(4)  # busy elsewhere until rank 0 has given up
+    # rank 1 is busy elsewhere (here: the barrier) until rank 0 has given up, then both call it
+    # together (the refusal ran no collective); a fixed 4 s sleep raced rank 0's second 2 s wait,
+    # and CI failed once when rank 1 woke after it
+    torch.distributed.barrier()
     full = opt.state_dict()  # every rank: the same full state
     return {"alone": alone, "exp_avg": tuple(full["state"][0]["exp_avg"].shape)}
 
