@@ -177,12 +177,12 @@ def accumulates(node: Any) -> bool:
 
 def watch_incoming(param: torch.Tensor, fqn: str) -> None:
     """Give ``param`` the incoming-gradient audit of per-graph mode (idempotent)."""
-    hooks = getattr(param, "_backward_hooks", None) or {}
-    if param.requires_grad and not any(isinstance(h, _IncomingAudit) for h in hooks.values()):
+    if param.requires_grad and incoming_audit_of(param) is None:
         param.register_hook(_IncomingAudit(fqn))
 
 
 def incoming_audit_of(param: torch.Tensor) -> _IncomingAudit | None:
+    """``param``'s incoming-gradient audit, or None."""
     hooks = getattr(param, "_backward_hooks", None) or {}
     return next((h for h in hooks.values() if isinstance(h, _IncomingAudit)), None)
 
