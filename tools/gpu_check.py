@@ -13,7 +13,10 @@ Inductor compiled the step graph (``lowered``; a fallback to the fx graph is log
 lowering and reported as ``fallback``), and the error if the case failed. Cases: the seed's
 MLP and transformers' GPT-2 (or any model of ``spmd_backend.testing.third_party``:
 ``--workloads torch_causal_lm``) x (fx graph, Inductor, sharded optimizer state, bf16 compression)
-x (``Adam(...)``, ``Adam(fused=True)``); AMP as CUDA users write it (float16 autocast,
+x (``Adam(...)``, ``Adam(fused=True)``); a step whose non-tensor argument picks one of two
+layers (``schedules``: two cached graphs with different collectives, so every call first checks
+that all ranks run the same one, through a gloo group beside the NCCL one) against DDP with
+``find_unused_parameters=True``; AMP as CUDA users write it (float16 autocast,
 ``GradScaler("cuda")``, an inf gradient on two steps) against DDP; dropout under the Inductor
 lowering (fresh masks each call, and whether they are eager's for the same seed); a model with one
 bfloat16 or float16 layer under the optimizers as users write them (``dtypes``: the layer must
@@ -46,7 +49,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from spmd_backend.testing import run_on_ranks  # noqa: E402
 
 MODES = ("fx", "inductor", "shard", "bf16")
-PARTS = ("parity", "amp", "dropout", "dtypes", "checkpoint")
+PARTS = ("parity", "amp", "dropout", "dtypes", "schedules", "checkpoint")
 OPTIMS = {"default": {}, "fused": {"fused": True}}
 
 
@@ -332,6 +335,83 @@ def _dropout_case(inductor: bool, device: torch.device) -> dict:
     return out
 
 
+class _TwinLayers(torch.nn.Module):
+    """Two same-shaped layers; a call runs the one its ``which`` names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.l1, self.l2, self.c = (torch.nn.Linear(64, 256), torch.nn.Linear(256, 256),
+                                            torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+
+    def forward(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.l1(h) if which == 1 else self.l2(h)))
+
+
+def _twin_step(model: Any, optim: Any, x: torch.Tensor, which: int) -> torch.Tensor:
+    loss = model(x, which).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _schedules_case(inductor: bool, steps: int, device: torch.device) -> dict:
+    """The compile door's per-call schedule check on the device's process group: once a step
+    has cached graphs with different collectives, each call all_reduces its schedule's code
+    first (on NCCL through a gloo group of the same ranks). The step alternates between its two
+    layers; it must train like DDP (``find_unused_parameters=True``) and say the check is on."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spmd_backend
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+
+    torch.manual_seed(0)
+    model = _TwinLayers().to(device)
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref, device_ids=[device.index] if device.type == "cuda" else None,
+              find_unused_parameters=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    step = spmd_backend.compile(
+        gm_transformation=GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=inductor, background_compile=False),
+        parallel_mode=spmd_backend.DataParallel(reduce_op="avg"))(_twin_step)
+    gen = torch.Generator().manual_seed(6)
+    records = _Records()
+    logger = logging.getLogger("spmd_backend")
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        with _lowering_log() as handler:
+            for i in range(max(steps, 6)):
+                x = torch.randn(32, 64, generator=gen).to(device)
+                which = 1 if i % 3 else 2
+                step(model, opt, x, which)
+                _twin_step(ddp, ref_opt, x, which)
+    finally:
+        logger.removeHandler(records)
+    diff = max(float((p.detach().double() - q.detach().double()).abs().max())
+               for p, q in zip(model.parameters(), ref.parameters()))
+    checking = any("each call first checks" in m for m in records.messages)
+    side = [m for m in records.messages if "schedule checks of process group" in m]
+    out = {"max_param_diff": diff, "graphs": step.cache_size(), "per_call_check": checking,
+           "check_channel_warning": side, "lowered": handler.compiled > 0,
+           "fallback": handler.fallbacks}
+    if not checking or not diff < 1e-5:
+        raise AssertionError(f"the two-path step did not check or trained differently: {out}")
+    return out
+
+
 DTYPE_CASES = {
     "bf16/SGD": (torch.bfloat16, "SGD", {"lr": 0.05}),
     "bf16/SGD momentum": (torch.bfloat16, "SGD", {"lr": 0.05, "momentum": 0.9}),
@@ -414,6 +494,8 @@ def _job(rank: int, world: int, steps: int, workloads: list[str], parts: list[st
            lambda ind=ind: _dropout_case(ind, device)) for ind in (False, True)),
         *(("dtypes", f"dtypes/{case}", lambda case=case: _dtype_case(case, steps, device))
           for case in DTYPE_CASES),
+        *(("schedules", f"schedules/{'inductor' if ind else 'fx'}",
+           lambda ind=ind: _schedules_case(ind, steps, device)) for ind in (False, True)),
     ]
     for part, key, run in cases:
         if part not in parts:

@@ -7,7 +7,7 @@
 # here gets stand-ins (sitecustomize: the first does nothing, the second does what 2.13's does),
 # so everything but checkpointed steps traces and lowers as on 2.13. Not used by CI.
 #   tools/gpu_run.sh check|bench|memory|all
-#   (WORKLOADS="mlp hf_gpt2", BENCH_STEPS=30, CHECK_PARTS="parity amp dropout dtypes checkpoint",
+#   (WORKLOADS="mlp hf_gpt2", BENCH_STEPS=30, CHECK_PARTS="parity amp dropout dtypes schedules checkpoint",
 #    MODES="fx inductor shard bf16" by default)
 set -uo pipefail
 out=${OUT:-out/gpu}
@@ -51,7 +51,7 @@ fi
 if [ "$what" = all ] || [ "$what" = check ]; then
   # shellcheck disable=SC2086
   timeout 330 python3 tools/gpu_check.py --workloads $workloads --out "$out/gpu_check.json" \
-    --parts ${CHECK_PARTS:-parity amp dropout dtypes checkpoint} --modes ${MODES:-fx inductor shard bf16} \
+    --parts ${CHECK_PARTS:-parity amp dropout dtypes schedules checkpoint} --modes ${MODES:-fx inductor shard bf16} \
     > "$out/gpu_check.log" 2>&1
-  echo "gpu_check rc=$?"; grep -E "^(mlp|hf_gpt2|eager|compiled|amp|dropout|dtypes)/|^wrote|^\{" "$out/gpu_check.log" | cut -c1-400
+  echo "gpu_check rc=$?"; grep -E "^(mlp|hf_gpt2|eager|compiled|amp|dropout|dtypes|schedules)/|^wrote|^\{" "$out/gpu_check.log" | cut -c1-400
 fi
