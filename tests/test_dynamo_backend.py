@@ -291,9 +291,11 @@ class _Split(nn.Module):
         return self.c(x)
 
 
-def _fallback_job(rank: int, world: int, eager: bool) -> str:
+def _fallback_job(rank: int, world: int, eager: bool, options: dict | None = None) -> str:
     """A graph break inside the model: per-graph mode. Parameters used in compiled graphs are
-    reduced (parity with DDP); one used only in an eager region raises before any update."""
+    reduced (parity with DDP); one used only in an eager region is reduced at the end of
+    ``backward()`` (parity), or, where eager gradients cannot be reduced (``options``), raises
+    before any update."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import spmd_backend
@@ -306,7 +308,7 @@ def _fallback_job(rank: int, world: int, eager: bool) -> str:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
 
-    compiled = torch.compile(train_step, backend="spmd", options=FAST)
+    compiled = torch.compile(train_step, backend="spmd", options={**FAST, **(options or {})})
     gen = torch.Generator().manual_seed(rank)
     before = [p.detach().clone() for p in model.parameters()]
     try:
@@ -396,8 +398,17 @@ def test_modules_that_share_a_compiled_graph_train_in_per_graph_mode(rank_pool):
         assert 0 < graphs < 6, graphs
 
 
-def test_eager_region_with_parameters_is_an_error(rank_pool):
+def test_eager_region_with_parameters_trains_like_ddp(rank_pool):
+    """``b``'s ``forward`` is ``torch._dynamo.disable``-d: its gradients are computed eagerly
+    and reduced at the end of ``backward()`` (refused before 2026-11-28)."""
     for message in rank_pool.run(_fallback_job, True):
+        assert message.startswith("parity"), message
+
+
+def test_eager_region_with_parameters_is_an_error_without_consistency_checks(rank_pool):
+    """Without ``check_consistency`` the ranks cannot agree on the eager gradients' list: they
+    stay refused, before anything is updated."""
+    for message in rank_pool.run(_fallback_job, True, {"check_consistency": False}):
         assert "no spmd-compiled backward reduced" in message, message
 
 

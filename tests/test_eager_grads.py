@@ -283,3 +283,107 @@ def _gpt2_job(rank: int, world: int) -> float:
 def test_transformers_gpt2_with_a_hook_in_each_block_trains_like_ddp(rank_pool):
     worst = rank_pool.run(_gpt2_job)
     assert worst[0] < 1e-5, worst
+
+
+# ------------------------------------------------- graph breaks inside torch's own modules
+class _CumulativeNorm(nn.Module):
+    """A ``BatchNorm`` with ``momentum=None`` reads ``num_batches_tracked`` as a Python number:
+    Dynamo breaks the graph there and torch's module runs eagerly (it compiles no frame of
+    torch's own files), with its affine parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16, momentum=None)
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
+class _PackedLSTM(nn.Module):
+    """An ``LSTM`` over ``pack_padded_sequence`` (data-dependent batch sizes): Dynamo breaks the
+    graph at the packing and runs the LSTM eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 8, padding_idx=0)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        ids, lengths = x
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)
+        return self.head(h[-1])
+
+
+@torch._dynamo.disable
+def _eager_projection(h, weight):
+    return nn.functional.linear(h, weight)
+
+
+class _TiedInDisabled(nn.Module):
+    """``emb.weight`` used in a compiled graph and again in a ``torch._dynamo.disable``-d
+    function: autograd sums a reduced and an eager part of its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 8, bias=False)
+        self.mid = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _eager_projection(torch.tanh(self.mid(self.emb(x))), self.emb.weight)[:, :1]
+
+
+def _vectors(g: torch.Generator) -> torch.Tensor:
+    return torch.randn(8, 8, generator=g)
+
+
+def _padded_ids(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.randint(2, 7, (4,), generator=g)
+    ids = torch.randint(1, 32, (4, 6), generator=g)
+    ids[torch.arange(6)[None, :] >= lengths[:, None]] = 0
+    return ids, lengths
+
+
+_BROKEN_INSIDE = {"batchnorm_momentum_none": (_CumulativeNorm, _vectors),
+                  "lstm_packed_sequence": (_PackedLSTM, _padded_ids),
+                  "parameter_in_disabled_function": (_TiedInDisabled, _vectors)}
+
+
+def _square_step(model, opt, x):
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _broken_inside_job(rank: int, world: int, case: str) -> tuple[float, float]:
+    """3 SGD-momentum steps through ``backend="spmd"`` and through DDP, each rank on its own
+    batches: (largest parameter difference, largest buffer difference from DDP's rank 0)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    build, batch = _BROKEN_INSIDE[case]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build()
+    ddp = DDP(copy.deepcopy(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    params = _beside_ddp(_square_step, model, opt, ddp, ref_opt, batch, rank)
+    buffers = 0.0
+    for mine, ref in zip(model.buffers(), ddp.module.buffers()):
+        first = ref.clone()  # DDP's rank 0: what DDP's next forward reads on every rank
+        torch.distributed.broadcast(first, 0)
+        buffers = max(buffers, float((mine.double() - first.double()).abs().max()))
+    return params, buffers
+
+
+@pytest.mark.parametrize("case", sorted(_BROKEN_INSIDE))
+def test_a_graph_break_inside_a_module_dynamo_does_not_compile_trains_like_ddp(rank_pool, case):
+    """Before 2026-11-28 the Dynamo door refused these steps in ``backward()`` (the gradients of
+    the eagerly run module were never reduced), after the forward had run; DDP trains them. The
+    frame compiled in pieces now has the parameters it reaches adopted before any piece runs."""
+    for params, buffers in rank_pool.run(_broken_inside_job, case):
+        assert params < 1e-6 and buffers < 1e-6, (case, params, buffers)

@@ -88,12 +88,12 @@ class _TwoHeads(nn.Module):
         return self.pos(h) if bool(x.sum() > 0) else self.neg(h)
 
 
-def _rank_dependent_branch_job(rank: int, world: int) -> str:
+def _rank_dependent_branch_job(rank: int, world: int, options: dict | None = None) -> str:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _TwoHeads()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = torch.compile(_step, backend="spmd", options={"inductor": False})
+    step = torch.compile(_step, backend="spmd", options={"inductor": False, **(options or {})})
     x = torch.rand(4, 8) * (1 if rank == 0 else -1)
     try:
         step(model, opt, x)
@@ -104,8 +104,21 @@ def _rank_dependent_branch_job(rank: int, world: int) -> str:
 
 def test_a_branch_that_differs_between_ranks_is_named_as_such(rank_pool):
     """Same model, but each rank's batch takes another head: the ranks' steps read different
-    parameters, and the refusal says why that happens instead of only that the states differ."""
+    parameters, and the refusal says why that happens instead of only that the states differ.
+    Since 2026-11-28 the frame the branch splits has its parameters verified when it compiles
+    (they may be used eagerly between its pieces), so the refusal comes from the per-graph check
+    of the backward graphs, before any collective, naming the parameters of this rank's head."""
     for m in rank_pool.run(_rank_dependent_branch_job, timeout=60):
+        assert "SpmdDistributedError" in m and "compiled graphs with different collectives" in m, m
+        assert "a value read from a tensor (.item(), bool(tensor))" in m, m
+        assert "(pos.bias, pos.weight)" in m or "(neg.bias, neg.weight)" in m, m
+        assert "No parameter was updated" in m, m
+
+
+def test_a_branch_that_differs_between_ranks_without_eager_reduction_names_the_state(rank_pool):
+    """Where eager gradients are not reduced (``shard_optimizer``: nothing is adopted) the
+    resumed frame's compile compares the module state: its refusal names the branch."""
+    for m in rank_pool.run(_rank_dependent_branch_job, {"shard_optimizer": True}, timeout=60):
         assert "SpmdDistributedError" in m and "module state (parameters and buffers)" in m, m
         assert "branch on a tensor's value went differently on the ranks" in m, m
 

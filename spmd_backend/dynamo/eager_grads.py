@@ -6,9 +6,14 @@ A graph break inside a loop (transformers' ``for layer in self.layers`` with a l
 the frames it calls (each block's ``forward``) are compiled. The compiled backward graphs reduce
 their parameters' gradients; the eager ones (embeddings, the final norm, a weight tied between the
 embedding and a compiled head) were not reduced, and the audit refused such a step: DDP trains
-these models, this backend could not. Now, for the trainable parameters a skipped frame reaches
+these models, this backend could not. The same holds for what runs eagerly between the pieces
+of a frame a graph break splits: torch's modules, which Dynamo does not compile as frames (a
+``BatchNorm`` with ``momentum=None`` broken at its ``.item()``, an ``LSTM`` given a
+``PackedSequence``), and ``torch._dynamo.disable``-d functions given a parameter. Now, for the
+trainable parameters a skipped frame reaches
 (:func:`~spmd_backend.dynamo.audit.watch_skipped_frame` hands them to
-:meth:`EagerGradients.adopt_frame`),
+:meth:`EagerGradients.adopt_frame`) or a frame compiled in pieces reaches (adopted when it
+compiles: ``eager_guard._adopt_around_graph_breaks``),
 the incoming-gradient hook of :mod:`~spmd_backend.dynamo.audit` passes the part of each gradient
 that no compiled graph reduced (all of it, or the gradient less the compiled contributions) to
 :meth:`EagerGradients.collect`, and one callback at the end of the ``backward()``

@@ -19,7 +19,10 @@ calling the backend, computes each rank's gradients alone. Dynamo does so silent
   ``backward()`` (before 2026-11-26: unsynchronized, silently, when no graph had seen them),
   or, where the configuration allows (:func:`spmd_backend.dynamo.eager_grads.for_mode`), is
   reduced at the end of ``backward()`` as DDP reduces it (since 2026-11-27; warned once per
-  frame).
+  frame). A frame it compiles in pieces (graph breaks it resumes from) runs eagerly what lies
+  between them, torch's own modules and disabled functions included: where the configuration
+  allows, the parameters such a frame reaches are adopted the same way when it compiles (since
+  2026-11-28; logged once per frame), else their eager gradients raise in ``backward()``.
 
 Until 2026-11-26 the first three trained each rank on its own data with no error (0.08 off DDP
 after 5 Adam steps). :func:`install` now wraps ``torch._dynamo.optimize`` (for the first),
@@ -232,8 +235,9 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
             if refused is not None:
                 raise refused
         breaks = dict(counters["graph_break"])
+        broke: list[str] = []
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
         except Exception as e:
             if _runs_eagerly_after(e, a):
                 root = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed: ours
@@ -251,11 +255,45 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
                         "TORCH_LOGS=graph_breaks shows why)", audit.where(a["code"]), reason, count)
             raise
         finally:
-            audit.note_graph_breaks(a["code"], [
-                r for r, n in counters["graph_break"].items()
-                if n > breaks.get(r, 0) and not r.startswith("spmd_backend")])
+            broke = [r for r, n in counters["graph_break"].items()
+                     if n > breaks.get(r, 0) and not r.startswith("spmd_backend")]
+            audit.note_graph_breaks(a["code"], broke)
+        if broke and torch.is_grad_enabled():
+            _adopt_around_graph_breaks(values, a["code"], broke, options_of(compiler_fn))
+        return result
 
     return _compile
+
+
+def _adopt_around_graph_breaks(values: list[Any], code: Any, reasons: list[str],
+                               options: dict[str, Any] | None) -> None:
+    """Dynamo compiled ``code`` in pieces (``reasons``: its graph breaks): what runs between
+    them runs eagerly, and with it every function Dynamo does not compile on its own (torch's
+    modules: a ``BatchNorm`` with ``momentum=None`` broken at its ``.item()``, an ``LSTM``
+    given a ``PackedSequence``; a ``torch._dynamo.disable``-d function given a parameter).
+    Their gradients are computed eagerly: where the configuration reduces eager gradients
+    (:func:`_eager_gradients`), the trainable parameters of the modules and optimizers the
+    frame reaches are adopted before any of it runs (verified and broadcast once, as DDP's
+    constructor; a parameter whose gradients all come from compiled graphs costs nothing more).
+    Elsewhere they stay refused in ``backward()`` as before."""
+    found = [(fqn, p) for _, fqn, p in frame.trainable_parameters(values)]
+    adopt = _eager_gradients(options) if found else None
+    if adopt is None:
+        return
+    for fqn, p in found:  # the post-accumulate audit counts their reduced gradients
+        audit.watch(p, fqn)
+    adopt(values, found)
+    key = (code, len(found))
+    if key not in _ADOPTED_NOTED:
+        _ADOPTED_NOTED.add(key)
+        log.info('backend="spmd": %s is compiled in pieces (graph break: %s); the gradients '
+                 "computed eagerly between them, for any of the %d parameter(s) it reaches, are "
+                 "reduced at the end of backward() as DDP reduces them", audit.where(code),
+                 reasons[0][:200], len(found))
+
+
+#: (code, parameter count) already logged by :func:`_adopt_around_graph_breaks`
+_ADOPTED_NOTED: set[tuple[Any, int]] = set()
 
 
 #: the compile stances (``torch.compiler.set_stance``) that run a frame eagerly although it
