@@ -1,5 +1,7 @@
 """spmd_backend/dynamo/eager_grads.py on 2 ranks: the gradients of a function Dynamo gives up on
-(a graph break inside its loop) are reduced at the end of ``backward()``, as DDP reduces them.
+(a graph break inside its loop), and of what runs eagerly between the pieces of a frame a graph
+break splits (torch's modules, a disabled function), are reduced at the end of ``backward()``, as
+DDP reduces them.
 
 Before 2026-11-27 such a step was refused (transformers' GPT-2 and Qwen3 with a hook in each
 block could not train in per-graph mode); the tests compare with DDP, so each fails when the
