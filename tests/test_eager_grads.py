@@ -389,3 +389,131 @@ def test_a_graph_break_inside_a_module_dynamo_does_not_compile_trains_like_ddp(r
     frame compiled in pieces now has the parameters it reaches adopted before any piece runs."""
     for params, buffers in rank_pool.run(_broken_inside_job, case):
         assert params < 1e-6 and buffers < 1e-6, (case, params, buffers)
+
+
+class _LoggedMLP(nn.Module):
+    """A logging call Dynamo does not compile between two layers (the only graph break), and a
+    BatchNorm inside a compiled piece (its buffers broadcast by that graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.bn(self.a(x)))
+        _log_shape(h)
+        return self.b(h)
+
+
+def _stray_backward_job(rank: int, world: int) -> tuple[str, float]:
+    """Rank 0 alone runs an eager backward through the model between steps (a saliency map for
+    a log). Every parameter is adopted (the frame has a graph break), but that backward ran no
+    compiled graph: it must be refused on rank 0 without any collective (the first version of
+    the adoption started the end-of-backward all_reduce on rank 0 alone: gloo aborted with a
+    size mismatch against rank 1's next collective, found in review)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _LoggedMLP()
+    ddp = DDP(copy.deepcopy(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    compiled = torch.compile(_square_step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    message = "no probe"
+    for i in range(4):
+        x = torch.randn(8, 8, generator=gen)
+        compiled(model, opt, x)
+        _square_step(ddp, ref_opt, x)
+        if i == 1 and rank == 0:
+            try:
+                model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+                message = "computed"
+            except Exception as e:  # noqa: BLE001 - the refusal is the result
+                message = str(e)
+            model.zero_grad()
+    return message, max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
+
+
+def test_an_eager_backward_outside_the_step_on_one_rank_is_refused_there_alone(rank_pool):
+    (message, diff0), (untouched, diff1) = rank_pool.run(_stray_backward_job, timeout=90)
+    assert "ran no spmd-compiled graph on this rank" in message, message
+    assert untouched == "no probe" and diff0 < 1e-6 and diff1 < 1e-6, (diff0, diff1)
+
+
+def _broadcasts_job(rank: int, world: int, case: str) -> list[int]:
+    """Broadcast calls (one per tensor, or coalesced) in each of 3 steady steps (the compiled
+    graphs' own broadcasts are functional collectives, not counted)."""
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _LoggedMLP() if case == "compiled" else _CumulativeNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    compiled = torch.compile(_square_step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    calls: list[int] = []
+    originals = {name: getattr(dist, name) for name in ("broadcast", "_broadcast_coalesced")}
+
+    def counting(original):
+        def call(*args, **kwargs):
+            calls[-1] += 1
+            return original(*args, **kwargs)
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(original))
+    try:
+        for _ in range(5):
+            calls.append(0)
+            compiled(model, opt, torch.randn(8, 8, generator=gen))
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return calls[2:]
+
+
+@pytest.mark.parametrize("case,expected", [("compiled", 0), ("eager", 1)])
+def test_buffers_are_broadcast_once_per_step_and_only_the_eagerly_run_ones(rank_pool, case, expected):
+    """A BatchNorm inside a compiled piece is broadcast by its graph; a BatchNorm run eagerly
+    (``momentum=None``) by the eager-gradient reduction, in one coalesced broadcast. The first
+    version broadcast every buffer of every module the frame reached, one call each, after each
+    ``backward()``: 40 blocks with BatchNorm took twice as long per step (review)."""
+    for calls in rank_pool.run(_broadcasts_job, case):
+        assert calls == [expected] * 3, calls
+
+
+def _zeroed_not_emptied_job(rank: int, world: int) -> list[float]:
+    """20 SGD steps with ``zero_grad(set_to_none=False)`` on a model whose BatchNorm runs
+    eagerly: the replicas' parameters, gathered from every rank."""
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _CumulativeNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(m, o, x):
+        o.zero_grad(set_to_none=False)
+        m(x).pow(2).mean().backward()
+        o.step()
+
+    compiled = torch.compile(step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(20):
+        compiled(model, opt, torch.randn(8, 8, generator=gen))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return [float((g - gathered[0]).abs().max()) for g in gathered]
+
+
+def test_gradients_accumulated_into_zeroed_buffers_keep_the_replicas_identical(rank_pool):
+    """The reduced part replaced the local one as ``grad += reduced - local``, which left each
+    rank's own rounding of its local part (replicas 9.3e-10 apart after 40 steps, review); it is
+    now written as what ``.grad`` held plus the reduced part."""
+    for spread in rank_pool.run(_zeroed_not_emptied_job):
+        assert spread == [0.0, 0.0], spread

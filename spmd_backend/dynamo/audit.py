@@ -120,14 +120,20 @@ class _IncomingAudit:
         self.fqn = fqn
         self.reduced: list[tuple[int, torch.Tensor]] = []  # (graph task id, gradient)
         #: where the parameter's eager gradient parts go to be reduced, once a frame Dynamo
-        #: gave up on reached it (:mod:`spmd_backend.dynamo.eager_grads`); None: refused
+        #: gave up on or compiled in pieces reached it (:mod:`spmd_backend.dynamo.eager_grads`);
+        #: None: refused
         self.eager: Any = None
+        #: an eager part alone makes its backward() reduce them on every rank (a frame Dynamo gave
+        #: up on runs eagerly inside the step on every rank); else only a backward() in which the
+        #: per-graph check ran (a compiled graph's backward on every rank)
+        self.opens = False
         self._param: weakref.ref | None = None
 
-    def adopt(self, registry: Any, param: torch.Tensor) -> None:
+    def adopt(self, registry: Any, param: torch.Tensor, opens: bool) -> None:
         """Hand ``param``'s eager gradient parts to ``registry.collect`` from now on (the
         parameter held weakly: its accumulator node, which holds it, is looked up per call)."""
         self.eager = registry
+        self.opens = self.opens or opens
         self._param = weakref.ref(param)
 
     @torch.compiler.disable  # autograd runs it inside a compiled step's backward(): not traced
@@ -151,7 +157,7 @@ class _IncomingAudit:
             if not mine:
                 mark_reduced((param,))  # reduced at the end of this backward()
             self.eager.collect(param, self.fqn, grad if total is None else grad - total, total,
-                               param.grad is None)
+                               self.opens)
             return
         if not mine:
             return  # an eager-only gradient: the post-accumulate audit raises
@@ -279,6 +285,15 @@ def mark_reduced_in_graph(params: Iterable[torch.Tensor]) -> None:
         audit = _audit_of(p)
         if audit is not None:
             audit.reduced_since_step = True
+
+
+def unmark_reduced(params: Iterable[torch.Tensor]) -> None:
+    """Gradients :func:`mark_reduced` counted were not reduced after all: the optimizer step
+    must refuse them."""
+    for p in params:
+        audit = _audit_of(p)
+        if audit is not None:
+            audit.reduced_since_step = False
 
 
 def check_before_step(params: Iterable[torch.Tensor]) -> None:

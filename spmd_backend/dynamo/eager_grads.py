@@ -49,10 +49,21 @@ the subtraction that separates a tied weight's eager part from its compiled one,
 ``gradient_compression``, each part rounded to the compression dtype on its own (2.6e-4 off a
 DDP ``bf16_compress_hook`` reference for a tied weight in review, 0 untied); none when ``.grad``
 was empty and nothing compiled contributed. With ``torch.autograd.grad`` (no accumulation)
-nothing is reduced or written, as with DDP. Costs: one extra gradient-sized tensor per adopted
-parameter with an eager part until the callback, one small all_reduce per ``backward()`` once a
-group has adopted parameters, one all_reduce per (dtype, device) of the eager parts, and one
-broadcast per persistent buffer of the adopted frames' modules. Not run on a GPU yet.
+nothing is reduced or written, as with DDP. The reduced part is written as what ``.grad`` held
+before this ``backward()`` plus the reduced gradient, so replicas stay bitwise equal.
+
+A session reduces only when every rank runs it: the per-graph check opened it (a compiled
+backward graph runs in this ``backward()`` on every rank), or a part of a frame Dynamo gave up
+on arrived (that frame runs eagerly inside the step on every rank). The parameters of a frame
+compiled in pieces are reached by any graph break, a logging call included; an eager
+``backward()`` through them outside the compiled step (a saliency map on one rank) opens no
+collective: its parts are refused on that rank (:class:`~spmd_backend.errors.SpmdUsageError`,
+the optimizer step through this backend refuses them too), as before adoption. Costs: one extra
+gradient-sized tensor per adopted parameter with an eager part until the callback (two where
+``.grad`` held a value), one small all_reduce per ``backward()`` once a group has adopted
+parameters, one all_reduce per (dtype, device) of the eager parts, and one coalesced broadcast
+of the adopted frames' persistent buffers that no compiled graph broadcasts. Not run on a GPU
+yet.
 """
 
 from __future__ import annotations
@@ -65,7 +76,8 @@ import torch
 import torch.distributed as dist
 
 from spmd_backend.dynamo import audit
-from spmd_backend.errors import SpmdRuntimeError
+from spmd_backend.dynamo.graphs import GRAPH_SYNCED_ATTR
+from spmd_backend.errors import SpmdRuntimeError, SpmdUsageError
 from spmd_backend.parallel.consistency import signature_digest
 from spmd_backend.parallel.data_parallel import DataParallel
 from spmd_backend.parallel.schedule_check import agree_on_schedule
@@ -81,8 +93,8 @@ class _Part:
     eager: torch.Tensor
     #: the compiled contributions' sum when the gradient mixed both, else None
     compiled: torch.Tensor | None
-    #: ``.grad`` was empty before this ``backward()`` accumulated
-    fresh: bool
+    #: a copy of ``.grad`` before this ``backward()`` accumulated into it, None when empty
+    before: torch.Tensor | None
 
 
 @dataclass
@@ -92,14 +104,32 @@ class _Session:
     owner: EagerGradients
     task: int
     parts: list[_Part] = field(default_factory=list)
+    #: every rank runs this session's collectives: the per-graph check opened it (a compiled
+    #: backward graph runs in this backward() on every rank), or a part of a frame Dynamo gave
+    #: up on arrived (that frame runs eagerly inside the step on every rank)
+    collective: bool = False
 
     @torch.compiler.disable
     def finish(self) -> None:
-        """Agree on the parts' list with every rank, reduce them, write ``.grad``."""
+        """Agree on the parts' list with every rank, reduce them, write ``.grad``; or, in a
+        ``backward()`` no rank-wide event opened (an eager backward outside the compiled step,
+        a saliency map on one rank), refuse its eager parts without any collective."""
         owner = self.owner
         if owner.current is self:
             owner.current = None
         if owner.world == 1:
+            return
+        if not self.collective:
+            if self.parts:
+                audit.unmark_reduced(p.param for p in self.parts)
+                raise SpmdUsageError(
+                    f'backend="spmd": the gradient of parameter {self.parts[0].fqn!r} (and '
+                    f"{len(self.parts) - 1} more) was computed eagerly in a backward() that ran "
+                    "no spmd-compiled graph on this rank (a backward() outside the compiled "
+                    "step?), so it was not synchronized across ranks; the gradients stay as "
+                    "this rank computed them and an optimizer step through backend=\"spmd\" "
+                    "refuses them. Compute such gradients inside the compiled step, or use "
+                    "torch.autograd.grad for a local quantity (a saliency map)")
             return
         parts = sorted(self.parts, key=lambda p: p.fqn)
         lines = [f"{p.fqn} {list(p.eager.shape)} {p.eager.dtype}" for p in parts]
@@ -137,14 +167,17 @@ class _Session:
 
 
 def _write(p: _Part, reduced: torch.Tensor) -> None:
-    """``.grad`` holds (what it held) + compiled + local eager part: make the last the reduced."""
+    """``.grad`` holds (what it held) + compiled + local eager part: make the last the reduced,
+    computed from the copy of what it held (adding ``reduced - eager`` to it left each rank's
+    own rounding of the local part: replicas 1e-10 apart after 40 steps in review)."""
     grad = p.param.grad
+    total = reduced if p.compiled is None else p.compiled + reduced
     if grad is None:  # a hook of the user's dropped it: the reduced gradient is all there is
-        p.param.grad = reduced if p.compiled is None else p.compiled + reduced
-    elif p.fresh:
-        grad.copy_(reduced if p.compiled is None else p.compiled + reduced)
+        p.param.grad = total
+    elif p.before is None:
+        grad.copy_(total)
     else:
-        grad.add_(reduced - p.eager)
+        grad.copy_(p.before + total)
 
 
 class EagerGradients:
@@ -162,11 +195,13 @@ class EagerGradients:
         self.buffers: dict[int, weakref.ref] = {}
         self.current: _Session | None = None
 
-    def adopt_frame(self, values: list[Any], params: list[tuple[str, torch.Tensor]]) -> None:
-        """A frame Dynamo gave up on reaches ``values`` (its modules' trainable ``params``, by
-        FQN): verify them and the modules' buffers across ranks and broadcast them from the
-        group's first rank (``sync_module_states``, once per tensor: what DDP's constructor
-        does), then reduce the parameters' eager gradient parts from now on."""
+    def adopt_frame(self, values: list[Any], params: list[tuple[str, torch.Tensor]],
+                    opens: bool = True) -> None:
+        """A frame Dynamo gave up on (``opens``) or compiled in pieces reaches ``values`` (its
+        modules' trainable ``params``, by FQN): verify them and the modules' buffers across
+        ranks and broadcast them from the group's first rank (``sync_module_states``, once per
+        tensor: what DDP's constructor does), then reduce the parameters' eager gradient parts
+        from now on (:meth:`adopt`)."""
         tensors: dict[int, tuple[str, torch.Tensor]] = {id(p): (fqn, p) for fqn, p in params}
         for v in values:
             if not isinstance(v, torch.nn.Module):
@@ -183,44 +218,58 @@ class EagerGradients:
             named = list(tensors.values())
             sync_module_states([t for _, t in named], self.mode, [n for n, _ in named])
         for fqn, p in params:
-            self.adopt(p, fqn)
+            self.adopt(p, fqn, opens)
 
     def broadcast_buffers(self) -> None:
         """DDP's ``broadcast_buffers``: the adopted frames' persistent buffers (running
-        statistics) from the group's first rank, after each ``backward()``."""
+        statistics) from the group's first rank, after each ``backward()``, in one coalesced
+        broadcast; not those a compiled graph broadcasts at its start (``GRAPH_SYNCED_ATTR``)."""
         if self.world == 1 or not self.mode.broadcast_buffers:
             return
-        src = self.mode.src_rank()
-        with torch.no_grad():
-            for ref in list(self.buffers.values()):
-                b = ref()
-                if b is not None:
-                    dist.broadcast(b, src=src, group=self.group)
+        buffers = [b for ref in list(self.buffers.values())
+                   if (b := ref()) is not None and not getattr(b, GRAPH_SYNCED_ATTR, False)]
+        if buffers:
+            with torch.no_grad():  # the group's first rank is the source (DataParallel.src_rank)
+                dist._broadcast_coalesced(self.group, buffers, _BROADCAST_BUCKET_BYTES, 0)
 
-    def adopt(self, param: torch.Tensor, fqn: str) -> None:
-        """Reduce ``param``'s eager gradient parts from now on (idempotent)."""
+    def adopt(self, param: torch.Tensor, fqn: str, opens: bool = True) -> None:
+        """Reduce ``param``'s eager gradient parts from now on (idempotent; ``opens``: see
+        :class:`_Session`'s ``collective``)."""
         key = id(param)
         if key in self.adopted and self.adopted[key]() is param:
+            hook = audit.incoming_audit_of(param)
+            if hook is not None:
+                hook.opens = hook.opens or opens
             return
         audit.watch_incoming(param, fqn)
         hook = audit.incoming_audit_of(param)
         if hook is None:  # does not require grad
             return
-        hook.adopt(self, param)
+        hook.adopt(self, param, opens)
         self.adopted[key] = weakref.ref(param, lambda _, k=key: self.adopted.pop(k, None))
 
-    def begin(self) -> _Session:
-        """The running ``backward()``'s session, opened (its callback queued) on first use."""
+    def session(self) -> _Session:
+        """The running ``backward()``'s session, created (its callback queued) on first use."""
         task = torch._C._current_graph_task_id()
         if self.current is None or self.current.task != task:
             self.current = _Session(self, task)  # a backward() that failed midway left its own
             torch.autograd.Variable._execution_engine.queue_callback(self.current.finish)
         return self.current
 
+    def begin(self) -> _Session:
+        """The per-graph check, on every rank: this ``backward()``'s session reduces."""
+        found = self.session()
+        found.collective = True
+        return found
+
     def collect(self, param: torch.Tensor, fqn: str, eager: torch.Tensor,
-                compiled: torch.Tensor | None, fresh: bool) -> None:
-        """``eager``: the part of ``param``'s incoming gradient no compiled graph reduced."""
-        self.begin().parts.append(_Part(param, fqn, eager, compiled, fresh))
+                compiled: torch.Tensor | None, opens: bool = True) -> None:
+        """``eager``: the part of ``param``'s incoming gradient no compiled graph reduced (called
+        before autograd accumulates it: ``.grad`` still holds what earlier backwards left)."""
+        found = self.session()
+        found.collective = found.collective or opens
+        before = None if param.grad is None else param.grad.detach().clone()
+        found.parts.append(_Part(param, fqn, eager, compiled, before))
 
     def reduce(self, flat: torch.Tensor) -> torch.Tensor:
         """DDP's reduction of a flat gradient buffer (a new tensor, in the buffer's dtype or the
@@ -230,6 +279,10 @@ class EagerGradients:
             buf.div_(self.world)
         dist.all_reduce(buf, group=self.group)
         return buf
+
+
+#: bucket size of the coalesced buffer broadcast (DDP's default for its buffers)
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 #: (id of a process group, the options the reduction reads) -> the parameters adopted for it (by

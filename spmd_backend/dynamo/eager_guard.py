@@ -192,7 +192,7 @@ def _runs_eagerly_after(error: Exception, arguments: dict[str, Any]) -> bool:
     return isinstance(error, (exc.Unsupported, exc.UserError)) or bool(torch._dynamo.config.suppress_errors)
 
 
-def _eager_gradients(options: dict[str, Any] | None) -> Callable[[list[Any], list[tuple[str, torch.Tensor]]], None] | None:
+def _eager_gradients(options: dict[str, Any] | None) -> Callable[..., None] | None:
     """Where a skipped frame's parameters go to have their eager gradients reduced
     (:mod:`spmd_backend.dynamo.eager_grads`), for the backend configured by ``options``; None
     where they stay refused."""
@@ -282,7 +282,10 @@ def _adopt_around_graph_breaks(values: list[Any], code: Any, reasons: list[str],
         return
     for fqn, p in found:  # the post-accumulate audit counts their reduced gradients
         audit.watch(p, fqn)
-    adopt(values, found)
+    # only a backward() in which a compiled graph's check ran on every rank reduces them: the
+    # model's parameters are reached by any frame with a graph break (a logging call), and an
+    # eager backward outside the step on one rank must not start a collective there
+    adopt(values, found, False)
     key = (code, len(found))
     if key not in _ADOPTED_NOTED:
         _ADOPTED_NOTED.add(key)

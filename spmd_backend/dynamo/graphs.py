@@ -276,9 +276,15 @@ def functionalize_fused_optimizers(gm: fx.GraphModule) -> int:
     return count
 
 
+#: set on a buffer that a compiled graph broadcasts at its start (:func:`mark_buffers`): the
+#: eager-gradient reduction does not broadcast it again after each ``backward()``
+GRAPH_SYNCED_ATTR = "_spmd_broadcast_by_graph"
+
+
 def mark_buffers(gm: fx.GraphModule, inputs: DynamoInputs) -> int:
     """``buf.copy_(buffer_sync(buf, fqn))`` at the start for every buffer the graph reads (DDP's
-    ``broadcast_buffers``; the data-parallel expansion turns it into a broadcast)."""
+    ``broadcast_buffers``; the data-parallel expansion turns it into a broadcast); such a buffer
+    tensor gets :data:`GRAPH_SYNCED_ATTR`."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     anchor = placeholders[-1] if placeholders else None
     count = 0
@@ -293,6 +299,7 @@ def mark_buffers(gm: fx.GraphModule, inputs: DynamoInputs) -> int:
         for n in (synced, anchor):
             if "example_value" in buf.meta:
                 n.meta["example_value"] = buf.meta["example_value"]
+        setattr(inputs.buffers[i], GRAPH_SYNCED_ATTR, True)
         count += 1
     if count:
         gm.graph.lint()
