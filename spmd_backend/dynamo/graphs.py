@@ -405,6 +405,8 @@ def mark_backward_outputs(graph: fx.Graph, params: dict[int, str]) -> list[int]:
         base = desc.grad_of
         if not isinstance(base, PlainAOTInput) or base.idx not in params:
             continue
+        if isinstance(value.meta.get("val"), torch.Tensor):  # the named refusal, not a pass's error
+            check_dense_gradient(value.meta["val"], params[base.idx])
         with graph.inserting_after(value):
             marker = graph.call_function(GRAD_READY, (value, params[base.idx]))
         if "val" in value.meta:
