@@ -1,6 +1,7 @@
 """Benchmark suite: spmd_backend variants against DDP, measured side by side in one run.
 
     python tools/bench.py [--ranks 2] [--steps 20] [--workloads mlp gpt] [--variants ...]
+    (workloads: mlp, gpt, hf_gpt2, bn_mlp)
                           [--out out/bench.json] [--md out/bench.md]
 
 On N loopback ranks (gloo on CPU, NCCL when GPUs are present) and for each workload (the seed's
@@ -96,7 +97,16 @@ def workload(name: str) -> tuple[Any, Any, Any]:
         )
     if name == "hf_gpt2":  # transformers GPT-2, 4 layers x 256, 8 x 128 tokens
         return (_hf_gpt2, lambda g: torch.randint(0, 8192, (8, 128), generator=g), _hf_step)
+    if name == "bn_mlp":  # 40 x (Linear 64, BatchNorm1d, Tanh): 120 buffers broadcast per step
+        return (_bn_mlp, lambda g: torch.randn(32, 64, generator=g), _sum_step)
     raise SystemExit(f"unknown workload {name!r}")
+
+
+def _bn_mlp() -> torch.nn.Module:
+    import torch.nn as nn
+
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Tanh()) for _ in range(40)]
+    return nn.Sequential(*blocks, nn.Linear(64, 1))
 
 
 def _hf_gpt2() -> torch.nn.Module:

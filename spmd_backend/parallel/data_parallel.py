@@ -17,8 +17,9 @@ optionally, ``buffer_sync`` markers) and an initialized default process group. G
   earlier call already reduced) becomes ``wait_tensor(all_reduce(g, op, group))`` of its own:
   only new contributions are reduced, so accumulation across calls under ``sum`` never
   multiplies earlier micro-batches by the world size again;
-* every ``buffer_sync(b, fqn)`` becomes ``wait_tensor(broadcast(b, 0, group))`` (DDP's
-  ``broadcast_buffers``: all ranks use the group's first rank's buffers);
+* the ``buffer_sync(b, fqn)`` markers become broadcasts from the group's first rank, one per
+  dtype and device of the buffers (DDP's coalesced ``broadcast_buffers``; see
+  :mod:`spmd_backend.parallel.buffer_broadcast`);
 * ``grad_shard``/``param_gather`` markers (``shard_optimizer=True``) become reduce_scatters (or
   slices of the all-reduced gradient: where the full gradient is read elsewhere, and every one
   on gloo unless ``reduce_scatter_grads=True``) and all_gathers, see
@@ -45,6 +46,7 @@ from spmd_backend.graph import ops
 from spmd_backend.graph.comm import Compression
 from spmd_backend.graph.meta import BUCKET_PARAMS_KEY, Phase, annotate, inherit, owner_of
 from spmd_backend.graph.utils import fake_mode_of, node_order, propagate_val
+from spmd_backend.parallel.buffer_broadcast import expand_buffer_broadcasts
 from spmd_backend.parallel.collectives import add_collective, add_compressed_all_reduce
 from spmd_backend.parallel.gloo_all_gather import backend_is_gloo
 from spmd_backend.parallel.shard_expansion import expand_shard_markers
@@ -432,14 +434,13 @@ def expand_data_parallel(
                 wait = _postscale(graph, wait, world, order)
         if mode.check_finite_grads:
             _insert_finite_check(graph, wait)
-    for m in buffer_markers:
-        _expand_marker(graph, m, c10d.broadcast.default, (0, group_name), "broadcast")
+    broadcasts = expand_buffer_broadcasts(graph, buffer_markers, group_name)
     graph.lint()
     if recompile:
         gm.recompile()
     report = ExpansionReport(
         all_reduces=len(to_reduce),
-        broadcasts=len(buffer_markers),
+        broadcasts=broadcasts,
         merged_markers=merged,
         group_name=group_name,
         reduce_op=mode.reduce_op,

@@ -1,0 +1,89 @@
+"""Buffer broadcasts coalesced: one collective per dtype and device, as DDP's ``broadcast_buffers``.
+
+DDP broadcasts a module's buffers from the group's first rank before each forward in one
+coalesced call (``_broadcast_coalesced``, 250 MB buckets). The data-parallel expansion turned
+each ``buffer_sync`` marker into a broadcast of its own: 120 BatchNorm buffers cost about 45 ms
+per step on 2 gloo ranks (a 40-block MLP: 59.6 ms against 14.4 without the broadcasts, DDP 16.0),
+about 0.37 ms per collective. :func:`expand_buffer_broadcasts` flattens the buffers of one dtype
+and device into one tensor, broadcasts it and hands each marker's readers its view of the
+result.
+
+Requires: ``buffer_sync(b, fqn)`` markers whose ``b`` carries ``meta["val"]``. Guarantees: every
+marker is replaced by a tensor with the buffer's shape, dtype and values broadcast from the
+group's first rank; markers whose input is not a graph input (placeholder), or that are alone in
+their dtype and device, get one broadcast each as before; the new nodes carry fake values and
+the ``comm`` phase. Returns the number of broadcasts emitted.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from spmd_backend.graph.meta import Phase, annotate, owner_of
+from spmd_backend.graph.utils import fake_mode_of, propagate_val
+from spmd_backend.parallel.collectives import add_collective
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def _broadcast_one(graph: fx.Graph, marker: fx.Node, group_name: str) -> None:
+    wait = add_collective(graph, marker.args[0], c10d.broadcast.default, (0, group_name),
+                          name="broadcast", owner=owner_of(str(marker.args[1])), before=marker)
+    marker.replace_all_uses_with(wait)
+    graph.erase_node(marker)
+
+
+def expand_buffer_broadcasts(graph: fx.Graph, markers: list[fx.Node], group_name: str) -> int:
+    """Replace ``markers`` (``buffer_sync``, in graph order) by coalesced broadcasts on
+    ``group_name``; returns how many broadcasts the graph now holds for them."""
+    groups: dict[tuple[torch.dtype, torch.device], list[fx.Node]] = {}
+    emitted = 0
+    for m in markers:
+        val = m.args[0].meta.get("val") if isinstance(m.args[0], fx.Node) else None
+        if not isinstance(val, torch.Tensor) or m.args[0].op != "placeholder":
+            _broadcast_one(graph, m, group_name)
+            emitted += 1
+            continue
+        groups.setdefault((val.dtype, val.device), []).append(m)
+    fake_mode = fake_mode_of(graph)
+    for group in groups.values():
+        if len(group) == 1:
+            _broadcast_one(graph, group[0], group_name)
+            emitted += 1
+            continue
+        first = group[0]  # every input is a placeholder: all of them precede it
+        new: list[fx.Node] = []
+        with graph.inserting_before(first):
+            flat = [graph.call_function(aten.reshape.default, (m.args[0], [-1])) for m in group]
+            new.extend(flat)
+            new.append(cat := graph.call_function(aten.cat.default, (flat,)))
+        for n in new:
+            propagate_val(n, fake_mode)
+        wait = add_collective(graph, cat, c10d.broadcast.default, (0, group_name),
+                              name="broadcast", owner=None, before=first)
+        sizes = [m.args[0].meta["val"].numel() for m in group]
+        with graph.inserting_after(wait):
+            split = graph.call_function(aten.split_with_sizes.default, (wait, sizes))
+        propagate_val(split, fake_mode)
+        new = [split]
+        anchor = split
+        for i, m in enumerate(group):
+            with graph.inserting_after(anchor):
+                part = graph.call_function(operator.getitem, (split, i))
+            with graph.inserting_after(part):
+                shaped = graph.call_function(aten.view.default,
+                                             (part, list(m.args[0].meta["val"].shape)))
+            for n in (part, shaped):
+                propagate_val(n, fake_mode)
+            new.extend((part, shaped))
+            anchor = shaped
+            m.replace_all_uses_with(shaped)
+            graph.erase_node(m)
+        for n in new + flat + [cat]:
+            annotate(n, fqn=None, phase=Phase.COMM)
+        emitted += 1
+    return emitted
