@@ -11,8 +11,9 @@ the largest parameter difference after ``--steps`` steps, the host time a call s
 its graph runs (``dispatch_ms``: binding, cache key, lookup, gathering inputs), whether
 Inductor compiled the step graph (``lowered``; a fallback to the fx graph is logged by the
 lowering and reported as ``fallback``), and the error if the case failed. Cases: the seed's
-MLP and transformers' GPT-2 (or any model of ``spmd_backend.testing.third_party``:
-``--workloads torch_causal_lm``) x (fx graph, Inductor, sharded optimizer state, bf16 compression)
+MLP and transformers' GPT-2 (or any model of ``spmd_backend.testing.models.MODELS``:
+``--workloads torch_causal_lm``; ``batchnorm``, whose buffers are compared too) x (fx graph,
+Inductor, sharded optimizer state, bf16 compression)
 x (``Adam(...)``, ``Adam(fused=True)``); a step whose non-tensor argument picks one of two
 layers (``schedules``: two cached graphs with different collectives, so every call first checks
 that all ranks run the same one, through a gloo group beside the NCCL one) against DDP with
@@ -100,13 +101,17 @@ def _models(name: str, device: torch.device):
 
         return (build, lambda g: torch.randint(0, 1024, (4, 64), generator=g).to(device),
                 lambda m, b: m(input_ids=b, labels=b).loss)
-    from spmd_backend.testing.third_party import THIRD_PARTY_MODELS
+    from spmd_backend.testing.models import MODELS
 
-    if name in THIRD_PARTY_MODELS:  # torch's and transformers' models of the parity tests
-        entry = THIRD_PARTY_MODELS[name]
-        assert entry.loss_fn is not None
-        return (entry.build, lambda g: {k: v.to(device) for k, v in entry.batch(g).items()},
-                entry.loss_fn)
+    if name in MODELS:  # the parity tests' models: ours, torch's and transformers'
+        entry = MODELS[name]
+
+        def batch(g: torch.Generator) -> Any:
+            b = entry.batch(g)
+            return ({k: v.to(device) for k, v in b.items()} if isinstance(b, dict)
+                    else b.to(device))
+
+        return entry.build, batch, entry.loss
     raise SystemExit(f"unknown workload {name!r}")
 
 
@@ -157,6 +162,8 @@ def _parity_case(name: str, mode: str, optim: str, steps: int, device: torch.dev
     overhead_ms = _dispatch_ms(step, model, opt, batch(gen))
     diff = max(float((p.detach().double() - q.detach().double()).abs().max())
                for p, q in zip(model.parameters(), ref.parameters()))
+    buffers = max((float((a.detach().double() - b.detach().double()).abs().max())
+                   for a, b in zip(model.buffers(), ref.buffers())), default=0.0)
     devices = {str(p.device) for p in model.parameters()}
     # after the comparison: these calls train the compiled side alone
     profile = ddp_profile = None
@@ -164,7 +171,8 @@ def _parity_case(name: str, mode: str, optim: str, steps: int, device: torch.dev
         profile = _profile(step, model, opt, batch(gen), device)
         ddp_profile = _profile(lambda _m, _o, b: step_fn(ddp, ref_opt, b), ddp, ref_opt,
                                batch(gen), device)
-    return {"max_param_diff": diff, "lowered": handler.compiled > 0, "fallback": handler.fallbacks,
+    return {"max_param_diff": diff, "max_buffer_diff": buffers, "lowered": handler.compiled > 0,
+            "fallback": handler.fallbacks,
             "param_devices": sorted(devices), "first_two_calls_s": sum(times[:2]),
             "last_call_ms": 1e3 * times[-1], "dispatch_ms": overhead_ms, "profile": profile,
             "ddp_profile": ddp_profile}
