@@ -311,6 +311,26 @@ def test_batchnorm_buffers_updated_in_place(fake_pg):
     assert len(nodes(gm, ops.is_broadcast)) == len({b.dtype for b in model.buffers()}) == 2
 
 
+def test_buffer_broadcasts_are_cut_into_buckets(fake_pg, monkeypatch):
+    """A bucket holds at most BUCKET_BYTES of buffer (DDP's 250 MB for its buffers): the two
+    running statistics (128 bytes each) in two broadcasts under a 200-byte cap, and the counter;
+    the step still trains like eager."""
+    from spmd_backend.parallel import buffer_broadcast
+
+    monkeypatch.setattr(buffer_broadcast, "BUCKET_BYTES", 200)
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    ref, ref_opt = eager_twin(model, torch.optim.SGD, lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile()(sgd_step)
+    for _ in range(2):
+        batch = torch.randn(8, 16)
+        step(model, opt, batch)
+        sgd_step(ref, ref_opt, batch)
+    torch.testing.assert_close(model.bn.running_var, ref.bn.running_var)
+    assert len(nodes(step.graph.traced.gm, ops.is_broadcast)) == 3
+
+
 def test_tied_weights_lifted_once_and_gpt_matches_eager(fake_pg):
     torch.manual_seed(0)
     model = GPT(vocab=32, dim=16, heads=2, layers=1, seq=8)

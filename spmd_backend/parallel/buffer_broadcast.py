@@ -5,13 +5,13 @@ coalesced call (``_broadcast_coalesced``, 250 MB buckets). The data-parallel exp
 each ``buffer_sync`` marker into a broadcast of its own: 120 BatchNorm buffers cost about 45 ms
 per step on 2 gloo ranks (a 40-block MLP: 59.6 ms against 14.4 without the broadcasts, DDP 16.0),
 about 0.37 ms per collective. :func:`expand_buffer_broadcasts` flattens the buffers of one dtype
-and device into one tensor, broadcasts it and hands each marker's readers its view of the
-result.
+and device into one tensor (up to :data:`BUCKET_BYTES`, as DDP's buckets), broadcasts it and
+hands each marker's readers its view of the result.
 
 Requires: ``buffer_sync(b, fqn)`` markers whose ``b`` carries ``meta["val"]``. Guarantees: every
 marker is replaced by a tensor with the buffer's shape, dtype and values broadcast from the
 group's first rank; markers whose input is not a graph input (placeholder), or that are alone in
-their dtype and device, get one broadcast each as before; the new nodes carry fake values and
+their bucket (dtype, device, at most :data:`BUCKET_BYTES`), get one broadcast each as before; the new nodes carry fake values and
 the ``comm`` phase. Returns the number of broadcasts emitted.
 """
 
@@ -37,6 +37,27 @@ def _broadcast_one(graph: fx.Graph, marker: fx.Node, group_name: str) -> None:
     graph.erase_node(marker)
 
 
+#: largest flat buffer of one coalesced broadcast (DDP's bucket for its buffers); a buffer at
+#: least this large is broadcast on its own, without a copy
+BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def _buckets(markers: list[fx.Node]) -> list[list[fx.Node]]:
+    """``markers`` of one dtype and device in graph order, cut into runs of at most
+    :data:`BUCKET_BYTES` of buffer."""
+    out: list[list[fx.Node]] = []
+    size = 0
+    for m in markers:
+        val = m.args[0].meta["val"]
+        nbytes = val.numel() * val.element_size()
+        if not out or size + nbytes > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(m)
+        size += nbytes
+    return out
+
+
 def expand_buffer_broadcasts(graph: fx.Graph, markers: list[fx.Node], group_name: str) -> int:
     """Replace ``markers`` (``buffer_sync``, in graph order) by coalesced broadcasts on
     ``group_name``; returns how many broadcasts the graph now holds for them."""
@@ -50,7 +71,7 @@ def expand_buffer_broadcasts(graph: fx.Graph, markers: list[fx.Node], group_name
             continue
         groups.setdefault((val.dtype, val.device), []).append(m)
     fake_mode = fake_mode_of(graph)
-    for group in groups.values():
+    for group in (b for g in groups.values() for b in _buckets(g)):
         if len(group) == 1:
             _broadcast_one(graph, group[0], group_name)
             emitted += 1
