@@ -235,7 +235,6 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
             if refused is not None:
                 raise refused
         breaks = dict(counters["graph_break"])
-        broke: list[str] = []
         try:
             result = original(*args, **kwargs)
         except Exception as e:
