@@ -78,6 +78,7 @@ import torch.distributed as dist
 from spmd_backend.dynamo import audit
 from spmd_backend.dynamo.graphs import GRAPH_SYNCED_ATTR
 from spmd_backend.errors import SpmdRuntimeError, SpmdUsageError
+from spmd_backend.parallel.buffer_broadcast import BUCKET_BYTES
 from spmd_backend.parallel.consistency import signature_digest
 from spmd_backend.parallel.data_parallel import DataParallel
 from spmd_backend.parallel.schedule_check import agree_on_schedule
@@ -230,7 +231,7 @@ class EagerGradients:
                    if (b := ref()) is not None and not getattr(b, GRAPH_SYNCED_ATTR, False)]
         if buffers:
             with torch.no_grad():  # the group's first rank is the source (DataParallel.src_rank)
-                dist._broadcast_coalesced(self.group, buffers, _BROADCAST_BUCKET_BYTES, 0)
+                dist._broadcast_coalesced(self.group, buffers, BUCKET_BYTES, 0)
 
     def adopt(self, param: torch.Tensor, fqn: str, opens: bool = True) -> None:
         """Reduce ``param``'s eager gradient parts from now on (idempotent; ``opens``: see
@@ -279,10 +280,6 @@ class EagerGradients:
             buf.div_(self.world)
         dist.all_reduce(buf, group=self.group)
         return buf
-
-
-#: bucket size of the coalesced buffer broadcast (DDP's default for its buffers)
-_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 #: (id of a process group, the options the reduction reads) -> the parameters adopted for it (by
