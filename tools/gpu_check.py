@@ -55,15 +55,17 @@ OPTIMS = {"default": {}, "fused": {"fused": True}}
 
 
 class _LoweringLog(logging.Handler):
-    """Counts the lowering's 'compiled' and 'could not compile' records."""
+    """Counts the lowering's 'compiled' and 'could not compile' records; keeps every message."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.compiled = 0
         self.fallbacks: list[str] = []
+        self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
+        self.messages.append(msg)
         if "Inductor compiled" in msg:
             self.compiled += 1
         elif "could not compile" in msg:
@@ -364,15 +366,6 @@ def _twin_step(model: Any, optim: Any, x: torch.Tensor, which: int) -> torch.Ten
     return loss.detach()
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _schedules_case(inductor: bool, steps: int, device: torch.device) -> dict:
     """The compile door's per-call schedule check on the device's process group: once a step
     has cached graphs with different collectives, each call all_reduces its schedule's code
@@ -395,23 +388,16 @@ def _schedules_case(inductor: bool, steps: int, device: torch.device) -> dict:
             enable_graph_optimization=True, enable_inductor=inductor, background_compile=False),
         parallel_mode=spmd_backend.DataParallel(reduce_op="avg"))(_twin_step)
     gen = torch.Generator().manual_seed(6)
-    records = _Records()
-    logger = logging.getLogger("spmd_backend")
-    logger.addHandler(records)
-    logger.setLevel(logging.INFO)
-    try:
-        with _lowering_log() as handler:
-            for i in range(max(steps, 6)):
-                x = torch.randn(32, 64, generator=gen).to(device)
-                which = 1 if i % 3 else 2
-                step(model, opt, x, which)
-                _twin_step(ddp, ref_opt, x, which)
-    finally:
-        logger.removeHandler(records)
+    with _lowering_log() as handler:
+        for i in range(max(steps, 6)):
+            x = torch.randn(32, 64, generator=gen).to(device)
+            which = 1 if i % 3 else 2
+            step(model, opt, x, which)
+            _twin_step(ddp, ref_opt, x, which)
     diff = max(float((p.detach().double() - q.detach().double()).abs().max())
                for p, q in zip(model.parameters(), ref.parameters()))
-    checking = any("each call first checks" in m for m in records.messages)
-    side = [m for m in records.messages if "schedule checks of process group" in m]
+    checking = any("each call first checks" in m for m in handler.messages)
+    side = [m for m in handler.messages if "schedule checks of process group" in m]
     out = {"max_param_diff": diff, "graphs": step.cache_size(), "per_call_check": checking,
            "check_channel_warning": side, "lowered": handler.compiled > 0,
            "fallback": handler.fallbacks}

@@ -58,6 +58,34 @@ def _buckets(markers: list[fx.Node]) -> list[list[fx.Node]]:
     return out
 
 
+def _broadcast_bucket(graph: fx.Graph, group: list[fx.Node], group_name: str,
+                      fake_mode: object) -> None:
+    """``group``'s buffers flattened into one tensor, broadcast, split and viewed back in place
+    of their markers (every input a placeholder, so all of them precede the first marker)."""
+
+    def add(target: object, args: tuple) -> fx.Node:
+        node = graph.call_function(target, args)
+        propagate_val(node, fake_mode)
+        annotate(node, fqn=None, phase=Phase.COMM)
+        return node
+
+    with graph.inserting_before(group[0]):
+        cat = add(aten.cat.default, ([add(aten.reshape.default, (m.args[0], [-1])) for m in group],))
+    wait = add_collective(graph, cat, c10d.broadcast.default, (0, group_name),
+                          name="broadcast", owner=None, before=group[0])
+    shapes = [m.args[0].meta["val"].shape for m in group]
+    with graph.inserting_after(wait):
+        split = add(aten.split_with_sizes.default, (wait, [shape.numel() for shape in shapes]))
+    anchor = split
+    for i, (m, shape) in enumerate(zip(group, shapes)):
+        with graph.inserting_after(anchor):
+            part = add(operator.getitem, (split, i))
+        with graph.inserting_after(part):
+            anchor = add(aten.view.default, (part, list(shape)))
+        m.replace_all_uses_with(anchor)
+        graph.erase_node(m)
+
+
 def expand_buffer_broadcasts(graph: fx.Graph, markers: list[fx.Node], group_name: str) -> int:
     """Replace ``markers`` (``buffer_sync``, in graph order) by coalesced broadcasts on
     ``group_name``; returns how many broadcasts the graph now holds for them."""
@@ -74,37 +102,7 @@ def expand_buffer_broadcasts(graph: fx.Graph, markers: list[fx.Node], group_name
     for group in (b for g in groups.values() for b in _buckets(g)):
         if len(group) == 1:
             _broadcast_one(graph, group[0], group_name)
-            emitted += 1
-            continue
-        first = group[0]  # every input is a placeholder: all of them precede it
-        new: list[fx.Node] = []
-        with graph.inserting_before(first):
-            flat = [graph.call_function(aten.reshape.default, (m.args[0], [-1])) for m in group]
-            new.extend(flat)
-            new.append(cat := graph.call_function(aten.cat.default, (flat,)))
-        for n in new:
-            propagate_val(n, fake_mode)
-        wait = add_collective(graph, cat, c10d.broadcast.default, (0, group_name),
-                              name="broadcast", owner=None, before=first)
-        sizes = [m.args[0].meta["val"].numel() for m in group]
-        with graph.inserting_after(wait):
-            split = graph.call_function(aten.split_with_sizes.default, (wait, sizes))
-        propagate_val(split, fake_mode)
-        new = [split]
-        anchor = split
-        for i, m in enumerate(group):
-            with graph.inserting_after(anchor):
-                part = graph.call_function(operator.getitem, (split, i))
-            with graph.inserting_after(part):
-                shaped = graph.call_function(aten.view.default,
-                                             (part, list(m.args[0].meta["val"].shape)))
-            for n in (part, shaped):
-                propagate_val(n, fake_mode)
-            new.extend((part, shaped))
-            anchor = shaped
-            m.replace_all_uses_with(shaped)
-            graph.erase_node(m)
-        for n in new + flat + [cat]:
-            annotate(n, fqn=None, phase=Phase.COMM)
+        else:
+            _broadcast_bucket(graph, group, group_name, fake_mode)
         emitted += 1
     return emitted
