@@ -1,7 +1,7 @@
 """Parity with DDP on models nobody here wrote: transformers GPT-2, Llama, BERT and T5 with padded
-attention masks (random init, tiny configs), torch's ``nn.TransformerEncoder`` (padded, and under
-a causal mask), ``nn.Transformer`` and its recurrent layers (``nn.LSTM``, a bidirectional
-``nn.GRU``), trained with
+attention masks (random init, tiny configs), GPT-2 with its config's dropout, peft's LoRA on
+Llama, torch's ``nn.TransformerEncoder`` (padded, and under a causal mask), ``nn.Transformer``
+and its recurrent layers (``nn.LSTM``, a bidirectional ``nn.GRU``), trained with
 ``AdamW`` as users write it (torch's default implementation) and an LR schedule, 2 gloo ranks.
 
 Batches depend on the rank, so a compiled step without gradient collectives diverges from DDP
@@ -9,6 +9,8 @@ Batches depend on the rank, so a compiled step without gradient collectives dive
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -22,9 +24,11 @@ pytest.importorskip("transformers")
 ADAMW = OptimSpec("adamw", "default", lr=1e-3, weight_decay=0.01, scheduler=True)
 
 
-@pytest.mark.parametrize("model", ["hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "torch_encoder",
-                                   "torch_recurrent"])
+@pytest.mark.parametrize("model", ["hf_gpt2", "hf_gpt2_dropout", "hf_llama", "hf_lora_llama",
+                                   "hf_bert", "hf_t5", "torch_encoder", "torch_recurrent"])
 def test_third_party_parity(rank_pool, model):
+    if model == "hf_lora_llama":
+        pytest.importorskip("peft")
     result = rank_pool.run(check_ddp_parity, ParityCase(model, ADAMW, steps=6, reduce_op="avg"))[0]
     assert result.losses[0] != result.losses[-1], "the model did not train"
 
@@ -53,6 +57,51 @@ def test_transformer_layers_under_a_causal_mask(rank_pool, model, door):
     assert result.losses[0] != result.losses[-1], "the model did not train"
     if door == "dynamo":
         assert result.dynamo["graph_breaks"] == 0, result.dynamo
+
+
+def test_lora_through_dynamo(rank_pool):
+    """peft's LoRA (frozen base, adapters with dropout) through ``backend="spmd"``: one
+    whole-step graph, the same dropout masks as DDP's step."""
+    pytest.importorskip("peft")
+    case = ParityCase("hf_lora_llama", ADAMW, steps=4, reduce_op="avg",
+                      dynamo_options={"inductor": False})
+    result = rank_pool.run(check_ddp_parity, case)[0]
+    assert result.dynamo["graph_breaks"] == 0 and result.dynamo["per_graph_graphs"] == 0, result.dynamo
+    assert result.losses[0] != result.losses[-1], "the model did not train"
+
+
+def _with_passes_and_inductor_job(rank: int, world_size: int, model: str) -> list[str]:
+    """check_ddp_parity through the compile door with the default passes and a blocking Inductor
+    compile; returns the lowering's warnings (a fallback to the fx graph is one)."""
+    from spmd_backend.gm_transformation import GraphModuleTransformation
+
+    warnings: list[str] = []
+
+    class _Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    handler = _Record(logging.WARNING)
+    lowering = logging.getLogger("spmd_backend.lowering")
+    lowering.addHandler(handler)
+    try:
+        transformation = GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=True, background_compile=False)
+        check_ddp_parity(rank, world_size, ParityCase(model, ADAMW, steps=3, reduce_op="avg",
+                                                      transformation=transformation))
+    finally:
+        lowering.removeHandler(handler)
+    return warnings
+
+
+@pytest.mark.slow
+def test_dropout_model_with_passes_and_inductor(rank_pool):
+    """GPT-2 with its config's dropout, lowered by Inductor: the compiled step draws eager's
+    masks (DDP's step draws from the same generator state). Its attention concatenates the
+    transposed keys with transformers' empty cache; until 2026-11-28 Inductor could not compile
+    that graph (lowering/cat_layout.py) and every step ran as the fx graph."""
+    warnings = rank_pool.run(_with_passes_and_inductor_job, "hf_gpt2_dropout")
+    assert warnings == [[], []], warnings
 
 
 def test_third_party_parity_fails_without_collectives(rank_pool):

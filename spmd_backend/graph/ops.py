@@ -66,6 +66,9 @@ FUSED_MUTATED_LISTS: dict = {f: n for f, n in FUSED_INPLACE_TO_FUNCTIONAL.values
 #: ``scalar ** tensor`` ops: in an optimizer these are bias corrections ``beta ** step``
 SCALAR_POW_TARGETS: frozenset = frozenset({aten.pow.Scalar, aten._foreach_pow.ScalarAndTensor})
 
+#: tensor concatenation (lowering/cat_layout.py keeps eager's layout where Inductor would not)
+CAT_TARGETS: frozenset = frozenset({aten.cat.default})
+
 PROFILER_TARGETS: frozenset = frozenset(
     {
         torch.ops.profiler._record_function_enter.default,

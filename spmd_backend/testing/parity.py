@@ -6,7 +6,10 @@ both for ``case.steps`` steps on rank-dependent batches (so that skipping the gr
 collectives changes the result), and asserts that parameters, buffers and optimizer state match
 under ``torch.testing.assert_close``'s fp32 tolerances. With the default SUM reduction the DDP
 side multiplies its averaged gradients by ``world_size`` before stepping, as the upstream seed
-test does. ``ParityCase(dynamo_options={...})`` checks the Dynamo door
+test does. Both sides of a step draw from the same state of torch's generator, so a model with
+dropout compares mask for mask, and the compiled step must leave the generator where DDP's step
+leaves it (Inductor's own random numbers, which the Dynamo door's Inductor lowering draws, fail
+this: compare such models with ``dynamo_options={"inductor": False}``). ``ParityCase(dynamo_options={...})`` checks the Dynamo door
 (``torch.compile(step, backend="spmd")``) instead and reports what the backend received.
 """
 
@@ -205,12 +208,19 @@ def check_ddp_parity(rank: int, world_size: int, case: ParityCase) -> ParityResu
     losses: list[float] = []
     for _ in range(case.steps):
         batch = entry.batch(gen)
+        drawn_from = torch.get_rng_state()
         loss = step(model, opt, batch)
         losses.append(float(loss))
+        compiled_left = torch.get_rng_state()
+        torch.set_rng_state(drawn_from)  # DDP's step draws from where the compiled one did
         if case.zero_grad_first:
             ref_opt.zero_grad()
         ref_loss = entry.loss(ddp, batch)
         ref_loss.backward()
+        if not torch.equal(compiled_left, torch.get_rng_state()):
+            raise AssertionError(
+                f"{case.label()} step {len(losses)}: the compiled step left torch's generator "
+                "elsewhere than DDP's step (it drew other random numbers, or as many again)")
         if case.reduce_op == "sum":
             with torch.no_grad():
                 for p in ref_model.parameters():

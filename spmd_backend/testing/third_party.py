@@ -1,13 +1,15 @@
 """Models nobody on this project wrote: transformers (random init, tiny configs) and torch's own
 ``nn.TransformerEncoder``, with padded batches, for parity tests against DDP.
 
-Registered in :data:`spmd_backend.testing.models.MODELS` as ``hf_gpt2``, ``hf_llama``,
+Registered in :data:`spmd_backend.testing.models.MODELS` as ``hf_gpt2``, ``hf_gpt2_dropout``
+(GPT2Config's default dropout), ``hf_llama``, ``hf_lora_llama`` (peft's LoRA with dropout on it),
 ``hf_bert``, ``hf_t5``, ``torch_encoder``, ``torch_recurrent``, ``torch_causal_lm`` (a
-``TransformerEncoder`` under a causal mask) and ``torch_seq2seq`` (``nn.Transformer``). transformers is imported only
-when one of them is built.
-Dropout is off (compiled graphs and eager draw random numbers in different orders), every batch
-pads some rows (so the attention-mask code paths run) and depends on the generator (so a step
-without gradient collectives diverges from DDP).
+``TransformerEncoder`` under a causal mask) and ``torch_seq2seq`` (``nn.Transformer``).
+transformers (and peft) are imported only when one of them is built.
+Dropout is off except in the two models named for it (a parity check gives both sides the same
+generator state, so those compare mask for mask where the compiled step draws as eager does);
+every batch pads some rows (so the attention-mask code paths run) and depends on the generator
+(so a step without gradient collectives diverges from DDP).
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ def _padded_tokens(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return ids * mask, mask
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(dropout: float = 0.0) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                        eos_token_id=0)
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                        bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     # an explicit loss type: otherwise transformers logs a warning on the first forward, which
     # is a graph break for torch.compile
@@ -60,6 +62,15 @@ def _llama() -> nn.Module:
     model = LlamaForCausalLM(config)
     model.loss_type = "ForCausalLM"  # as for GPT-2: no warning (a graph break) on first use
     return model
+
+
+def _lora_llama() -> nn.Module:
+    """peft's LoRA on the Llama above, as fine-tuning scripts apply it: rank-4 adapters with
+    dropout on the query and value projections, every other weight frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+    return get_peft_model(_llama(), config)
 
 
 def _bert() -> nn.Module:
@@ -209,8 +220,12 @@ def _key_bias(name: str, param: torch.Tensor) -> Any:
 
 THIRD_PARTY_MODELS: dict[str, ModelEntry] = {
     "hf_gpt2": ModelEntry(build=_gpt2, batch=_gpt2_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
+    # GPT2Config's own dropout (0.1 on embeddings, attention and residuals)
+    "hf_gpt2_dropout": ModelEntry(build=lambda: _gpt2(0.1), batch=_gpt2_batch, loss_fn=_hf_loss,
+                                  zero_gradient=_key_bias),
     # grouped-query attention, rotary embeddings, RMSNorm, gated MLP: today's decoder layout
     "hf_llama": ModelEntry(build=_llama, batch=_gpt2_batch, loss_fn=_hf_loss),
+    "hf_lora_llama": ModelEntry(build=_lora_llama, batch=_gpt2_batch, loss_fn=_hf_loss),
     "hf_bert": ModelEntry(build=_bert, batch=_bert_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
     "hf_t5": ModelEntry(build=_t5, batch=_t5_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
     "torch_encoder": ModelEntry(build=_encoder, batch=_encoder_batch, loss_fn=_encoder_loss,
