@@ -391,6 +391,52 @@ def test_a_graph_break_inside_a_module_dynamo_does_not_compile_trains_like_ddp(r
         assert params < 1e-6 and buffers < 1e-6, (case, params, buffers)
 
 
+@torch._dynamo.disable
+def _eager_penalty(weight: torch.Tensor) -> torch.Tensor:
+    return weight.pow(2).sum()
+
+
+class _Trainer:
+    """A trainer whose compiled method reads its model and optimizer through ``self`` and adds a
+    penalty on one weight computed by a function Dynamo does not compile."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def step(self, x: torch.Tensor) -> None:
+        inner = getattr(self.model, "module", self.model)  # DDP's module for the reference
+        loss = self.model(x).pow(2).mean() + 0.1 * _eager_penalty(inner.b.weight)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def _trainer_job(rank: int, world: int) -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.a, model.act, model.b = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)
+    ddp = DDP(copy.deepcopy(model))
+    trainer = _Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    reference = _Trainer(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+    compiled = torch.compile(trainer.step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(8, 8, generator=gen)
+        compiled(x)
+        reference.step(x)
+    return max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
+
+
+def test_a_trainer_method_giving_a_weight_to_a_disabled_function_trains_like_ddp(rank_pool):
+    """The frame is the trainer's method: the modules and optimizers it reaches are held by
+    ``self``. Before 2026-11-28 only the frame's own values were searched, nothing was adopted
+    and the step was refused in ``backward()`` (the penalty's gradient was never reduced)."""
+    assert all(diff < 1e-6 for diff in rank_pool.run(_trainer_job)), "off DDP"
+
+
 class _LoggedMLP(nn.Module):
     """A logging call Dynamo does not compile between two layers (the only graph break), and a
     BatchNorm inside a compiled piece (its buffers broadcast by that graph)."""

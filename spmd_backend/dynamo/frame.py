@@ -1,5 +1,6 @@
-"""What the frame Dynamo is compiling for the spmd backend reaches directly, the names of
-its modules' parameters, and the refusal of a module wrapped in DistributedDataParallel.
+"""What the frame Dynamo is compiling for the spmd backend reaches (directly, and the modules
+and optimizers the objects and containers it reaches hold), the names of its modules'
+parameters, and the refusal of a module wrapped in DistributedDataParallel.
 
 Requires: :func:`parameter_names` entered by the scope's frame hook around a frame's compile
 (``scope.install``). Guarantees: :func:`parameter_name` answers only while that frame is
@@ -10,6 +11,8 @@ several modules is named by the first.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -22,7 +25,7 @@ _names: list[dict[int, str]] = []
 
 def frame_values(code: Any, frame_locals: Any, frame_globals: Any, closure: Any) -> list[Any]:
     """What a frame reaches directly, in this order: arguments and locals, closure cells and
-    the globals its code names."""
+    the globals its code names; then the modules and optimizers those hold (:func:`held`)."""
     values: list[Any] = list(dict(frame_locals or {}).values())
     for cell in closure or ():
         try:
@@ -31,7 +34,41 @@ def frame_values(code: Any, frame_locals: Any, frame_globals: Any, closure: Any)
             continue
     names = getattr(code, "co_names", ())
     values.extend(frame_globals[n] for n in names if isinstance(frame_globals, dict) and n in frame_globals)
+    seen = {id(v) for v in values}
+    for owner in held(values):
+        if id(owner) not in seen:
+            seen.add(id(owner))
+            values.append(owner)
     return values
+
+
+_OWNERS = (torch.nn.Module, torch.optim.Optimizer)
+_NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+#: items of one container looked at (a container of modules is small; a global list may not be)
+_CONTAINER_ITEMS = 64
+
+
+def _members(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return list(itertools.islice(value.values(), _CONTAINER_ITEMS))
+    if isinstance(value, (list, tuple)):
+        return list(value[:_CONTAINER_ITEMS])
+    if isinstance(value, (_OWNERS, _NOT_HOLDERS, torch.Tensor)):
+        return []
+    attributes = getattr(value, "__dict__", None)
+    return list(attributes.values()) if isinstance(attributes, dict) else []
+
+
+def held(values: Iterable[Any]) -> Iterator[Any]:
+    """The modules and optimizers that ``values`` hold one level down: an attribute of an object
+    (a trainer's ``self.model`` and ``self.opt`` in its compiled method), an item of a container,
+    or an item of a container an object holds (``self.models["generator"]``)."""
+    for v in values:
+        for m in _members(v):
+            if isinstance(m, _OWNERS):
+                yield m
+            elif isinstance(m, (dict, list, tuple)):
+                yield from (x for x in _members(m) if isinstance(x, _OWNERS))
 
 
 def trainable_parameters(values: Iterable[Any]) -> Iterator[tuple[Any, str, torch.Tensor]]:
