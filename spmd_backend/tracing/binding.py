@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import GetAttrKey
 
 from spmd_backend.errors import SpmdUsageError
+from spmd_backend.tracing.buffer_views import find_buffer_views
 from spmd_backend.tracing.free_values import free_values
 from spmd_backend.tracing.hyperparams import HyperSlot, lifted_slots
 from spmd_backend.tracing.key import StepKey, global_context, hashable, tensor_spec
@@ -213,6 +214,7 @@ class StepBinding:
             params=tuple([(id(p),) + tensor_spec(p) + _tensor_hooks(p) for p in self.params]),
             grads=tuple([None if (g := p.grad) is None else tensor_spec(g) for p in self.params]),
             buffers=tuple([(id(b),) + tensor_spec(b) for b in self.buffers]),
+            buffer_views=find_buffer_views(self.buffers, self.buffer_names),
             groups=groups,
             state=state,
             optimizer_hooks=opt_hooks,

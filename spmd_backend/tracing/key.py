@@ -169,6 +169,8 @@ class StepKey:
     params: tuple
     grads: tuple
     buffers: tuple
+    #: per buffer, the buffer whose memory holds it (:mod:`spmd_backend.tracing.buffer_views`)
+    buffer_views: tuple
     groups: tuple
     state: tuple
     optimizer_hooks: tuple
@@ -198,6 +200,7 @@ class StepKey:
 _LABELS = {
     "module": "a different module was passed",
     "optimizer": "a different optimizer was passed",
+    "buffer_views": "which buffers share memory changed",
     "groups": "the optimizer's param groups changed (parameters or keys)",
     "optimizer_hooks": "the optimizer's hooks or defaults changed",
     "args_spec": "the structure of the arguments changed",

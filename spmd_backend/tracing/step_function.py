@@ -46,6 +46,7 @@ from torch.nn.utils import stateless
 
 from spmd_backend.errors import SpmdTraceError, SpmdUsageError
 from spmd_backend.tracing.binding import StepBinding
+from spmd_backend.tracing.buffer_views import find_buffer_views, traced_view
 from spmd_backend.tracing.dispatch import SYM_TYPES, TraceContext, TraceMode
 from spmd_backend.tracing.free_values import mutable_objects
 from spmd_backend.tracing.grad_scaler import SkipFlag, grad_scalers_swapped
@@ -159,6 +160,9 @@ class StepFunction:
         self.saw_backward = False
         self.skip_flag = SkipFlag()
         self.effects = Effects()
+        #: per buffer, the buffer whose memory holds it (traced as a view of it), or None
+        self.buffer_bases = find_buffer_views(binding.buffers, binding.buffer_names,
+                                              binding.params, binding.param_names)
         opt = binding.optimizer
         self.opt_state_before = {
             i: dict(opt.state[p]) for i, p in enumerate(binding.params)
@@ -202,6 +206,10 @@ class StepFunction:
                 for t, j in zip(inputs.args, layout.arg_inputs)
             ],
         )
+        for j, base in enumerate(self.buffer_bases):
+            if base is not None:
+                lifted.buffers[j] = traced_view(lifted.buffers[base], binding.buffers[base],
+                                                binding.buffers[j])
         for i, g in zip(layout.grad_inputs, lifted.grads):
             params[i].grad = g
         lifted.opt_state = {i: dict(v) for i, v in self.opt_state_before.items()}
@@ -247,9 +255,11 @@ class StepFunction:
                     grad_scalers_swapped(binding.aux_objects, self.layout.aux_inputs, lifted.aux,
                                          self.ctx, self.skip_flag), \
                     opt_cm as traced_state:
-                if self.mark_buffers:
-                    for names, fb in zip(binding.buffer_names, lifted.buffers):
-                        fb.copy_(BUFFER_SYNC(fb, names[0]))
+                if self.mark_buffers:  # a view's memory is its base's: broadcast with it
+                    for names, fb, base in zip(binding.buffer_names, lifted.buffers,
+                                               self.buffer_bases):
+                        if base is None:
+                            fb.copy_(BUFFER_SYNC(fb, names[0]))
                 out = self.fn(*args, **kwargs)
         except BaseException:
             snapshot.restore()  # a failed trace leaves the Python state as it found it
@@ -396,6 +406,8 @@ class StepFunction:
         outputs: list[torch.Tensor] = []
         for kind, real_list, fun_list, what, names in groups:
             for j, (real, f) in enumerate(zip(real_list, fun_list)):
+                if kind == "buffers" and self.buffer_bases[j] is not None:
+                    continue  # a view of another buffer: written back with its base
                 torch._sync(f)
                 if torch._functionalize_has_metadata_mutation(f.elem):
                     label = names[j][0] if names else f"#{j}"
