@@ -90,6 +90,100 @@ def test_breaking_the_sharing_with_data_retraces(fake_pg, caplog):
     torch.testing.assert_close(model.window, twin.window, rtol=0, atol=0)
 
 
+def test_moving_a_view_with_data_retraces(fake_pg, caplog):
+    """``.data =`` moves the window to the second half of the count (same shape, same base):
+    the offset is part of the key (found in review: the graph with the old offset was reused)."""
+    torch.manual_seed(0)
+    model, opt, twin, twin_opt = _twins(_Windowed("view"))
+    compiled = spmd_backend.compile()(step)
+    x = torch.randn(8, 8)
+    compiled(model, opt, x)
+    step(twin, twin_opt, x)
+    for m in (model, twin):
+        m.window.data = m.count.data[2:]
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+    assert any("which buffers share memory changed" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(model.count, twin.count, rtol=0, atol=0)
+
+
+class _Reshaped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros(4))
+        self.register_buffer("window", self.count[:2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.window.unsqueeze_(0)  # changes the view's shape in place
+        return self.lin(x).pow(2).mean()
+
+
+def test_reshaping_a_view_in_place_is_refused(fake_pg):
+    model = _Reshaped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(spmd_backend.SpmdError, match="changed the shape or strides of buffer window"):
+        spmd_backend.compile()(step)(model, opt, torch.randn(8, 8))
+    assert model.window.shape == (2,)
+
+
+def _step_with_counts(model, opt, x, counts):
+    loss = model(x)
+    counts.mul_(2)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_an_argument_sharing_a_buffers_memory_is_refused(fake_pg):
+    """``step(model, opt, x, model.count)``: two graph inputs for one tensor, each written back
+    on its own (found in review: the count ended as neither name's update left it)."""
+    torch.manual_seed(0)
+    model = _Windowed("base")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.count.clone()
+    with pytest.raises(SpmdUsageError, match=r"argument args\[3\] shares memory with the module's "
+                                             r"buffer 'count'"):
+        spmd_backend.compile()(_step_with_counts)(model, opt, torch.randn(8, 8), model.count)
+    torch.testing.assert_close(model.count, before, rtol=0, atol=0)
+
+
+class _Leaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaf = _Leaf()
+        self.body = nn.Sequential(self.leaf, nn.Tanh(), self.leaf)  # one block, three names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).pow(2).mean()
+
+
+def test_a_module_registered_twice_keeps_its_tensors(fake_pg):
+    """``Sequential(block, act, block)``: the trace swapped the block's tensors once per name,
+    saved its own stand-in as the original under the second, and left FunctionalTensors in the
+    module after the first call (the second call failed; found in review)."""
+    torch.manual_seed(0)
+    model, opt, twin, twin_opt = _twins(_Twice())
+    compiled = spmd_backend.compile()(step)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+    assert type(model.leaf.lin.weight) is nn.Parameter and type(model.leaf.scale) is torch.Tensor
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 def _strided(model: nn.Module) -> None:
     model.register_buffer("column", model.codes[:, :2])
 
@@ -126,7 +220,7 @@ def test_the_outermost_buffer_is_the_base():
     table = torch.zeros(4, 6)
     buffers = [table[1], table, table[1:3], torch.zeros(2), table.view(24)]
     names = [("row",), ("table",), ("rows",), ("own",), ("flat",)]
-    assert find_buffer_views(buffers, names) == (1, None, 1, None, 1)
+    assert find_buffer_views(buffers, names, [], []) == ((1, 6), None, (1, 6), None, (1, 0))
 
 
 def _ddp_job(rank: int, world: int, update: str, door: str) -> tuple[float, float]:

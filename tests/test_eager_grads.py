@@ -437,6 +437,69 @@ def test_a_trainer_method_giving_a_weight_to_a_disabled_function_trains_like_ddp
     assert all(diff < 1e-6 for diff in rank_pool.run(_trainer_job)), "off DDP"
 
 
+class _Meter(nn.Module):
+    """What a trainer may hold besides the model: a per-rank count and a locally trained probe."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.full((1,), float(rank)))
+        self.probe = nn.Linear(2, 1)
+        with torch.no_grad():
+            self.probe.weight.fill_(rank)
+
+
+def _trainer_holding_more_job(rank: int, world: int) -> tuple[float, float, float]:
+    """The trainer of ``_trainer_job`` also holds a DDP copy it never uses and a meter: neither
+    is reached by its method (found in review: the DDP copy was refused, and the meter adopted:
+    its per-rank count and probe overwritten with rank 0's after each backward)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.a, model.act, model.b = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)
+    ddp = DDP(copy.deepcopy(model))
+    trainer = _Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    trainer.spare, trainer.meter = DDP(copy.deepcopy(model)), _Meter(rank)
+    reference = _Trainer(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+    compiled = torch.compile(trainer.step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(8, 8, generator=gen)
+        compiled(x)
+        reference.step(x)
+        trainer.meter.seen.add_(1)
+    diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
+    return diff, float(trainer.meter.seen), float(trainer.meter.probe.weight[0, 0])
+
+
+def test_a_trainer_method_reaches_only_what_its_code_names(rank_pool):
+    for rank, (diff, seen, probe) in enumerate(rank_pool.run(_trainer_holding_more_job)):
+        assert diff < 1e-6 and seen == rank + 3.0 and probe == float(rank), (rank, diff, seen, probe)
+
+
+def test_held_skips_objects_that_only_claim_to_be_modules():
+    """A dead ``weakref.proxy`` and ``Mock(spec=nn.Module)`` among a trainer's attributes made
+    the frame's compile fail (found in review)."""
+    import weakref
+    from unittest import mock
+
+    from spmd_backend.dynamo.frame import held
+
+    class _Holder:
+        pass
+
+    holder, model, gone = _Holder(), nn.Linear(2, 2), nn.Linear(2, 2)
+    holder.model, holder.unused = model, nn.Linear(2, 2)
+    holder.proxy = weakref.proxy(gone)
+    holder.mock = mock.Mock(spec=nn.Module)
+    holder.parts = {"head": nn.Linear(2, 1)}
+    del gone
+    names = frozenset({"model", "proxy", "mock", "parts"})
+    assert [type(m) for m in held([holder, weakref.proxy(holder.unused)], names)] == [nn.Linear] * 2
+    assert list(held([holder], names))[0] is model
+
+
 class _LoggedMLP(nn.Module):
     """A logging call Dynamo does not compile between two layers (the only graph break), and a
     BatchNorm inside a compiled piece (its buffers broadcast by that graph)."""

@@ -35,7 +35,7 @@ def frame_values(code: Any, frame_locals: Any, frame_globals: Any, closure: Any)
     names = getattr(code, "co_names", ())
     values.extend(frame_globals[n] for n in names if isinstance(frame_globals, dict) and n in frame_globals)
     seen = {id(v) for v in values}
-    for owner in held(values):
+    for owner in held(values, frozenset(names)):
         if id(owner) not in seen:
             seen.add(id(owner))
             values.append(owner)
@@ -48,27 +48,40 @@ _NOT_HOLDERS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctio
 _CONTAINER_ITEMS = 64
 
 
-def _members(value: Any) -> list[Any]:
-    if isinstance(value, dict):
-        return list(itertools.islice(value.values(), _CONTAINER_ITEMS))
-    if isinstance(value, (list, tuple)):
-        return list(value[:_CONTAINER_ITEMS])
-    if isinstance(value, (_OWNERS, _NOT_HOLDERS, torch.Tensor)):
+def _is(value: Any, kinds: tuple[type, ...]) -> bool:
+    """``isinstance`` by the real type (a ``Mock(spec=nn.Module)`` claims to be a module)."""
+    return issubclass(type(value), kinds)
+
+
+def _members(value: Any, names: frozenset[str] | None) -> list[Any]:
+    """What ``value`` holds one level down: a container's items, or those of an object's
+    attributes that ``names`` lists (all when None); nothing for anything else."""
+    try:
+        if _is(value, (dict,)):
+            return list(itertools.islice(value.values(), _CONTAINER_ITEMS))
+        if _is(value, (list, tuple)):
+            return list(value[:_CONTAINER_ITEMS])
+        if _is(value, (*_OWNERS, *_NOT_HOLDERS, torch.Tensor)):
+            return []
+        attributes = object.__getattribute__(value, "__dict__")
+    except Exception:  # noqa: BLE001 - a dead weakref proxy, an object without a __dict__
         return []
-    attributes = getattr(value, "__dict__", None)
-    return list(attributes.values()) if isinstance(attributes, dict) else []
+    if not _is(attributes, (dict,)):
+        return []
+    return [v for k, v in attributes.items() if names is None or k in names]
 
 
-def held(values: Iterable[Any]) -> Iterator[Any]:
+def held(values: Iterable[Any], names: frozenset[str] | None = None) -> Iterator[Any]:
     """The modules and optimizers that ``values`` hold one level down: an attribute of an object
-    (a trainer's ``self.model`` and ``self.opt`` in its compiled method), an item of a container,
-    or an item of a container an object holds (``self.models["generator"]``)."""
+    that the frame's code names (a trainer's ``self.model`` and ``self.opt`` in its compiled
+    method: a module the trainer holds for something else is not reached), an item of a
+    container, or an item of a container such an attribute holds (``self.models["gen"]``)."""
     for v in values:
-        for m in _members(v):
-            if isinstance(m, _OWNERS):
+        for m in _members(v, names):
+            if _is(m, _OWNERS):
                 yield m
-            elif isinstance(m, (dict, list, tuple)):
-                yield from (x for x in _members(m) if isinstance(x, _OWNERS))
+            elif _is(m, (dict, list, tuple)):
+                yield from (x for x in _members(m, None) if _is(x, _OWNERS))
 
 
 def trainable_parameters(values: Iterable[Any]) -> Iterator[tuple[Any, str, torch.Tensor]]:

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import GetAttrKey
 
 from spmd_backend.errors import SpmdUsageError
-from spmd_backend.tracing.buffer_views import find_buffer_views
+from spmd_backend.tracing.buffer_views import find_buffer_views, refuse_state_arguments
 from spmd_backend.tracing.free_values import free_values
 from spmd_backend.tracing.hyperparams import HyperSlot, lifted_slots
 from spmd_backend.tracing.key import StepKey, global_context, hashable, tensor_spec
@@ -110,8 +110,12 @@ class StepBinding:
         # one walk of the module tree serves parameters, buffers and the key's module state
         # (named_parameters/named_buffers would walk it again each)
         walk = list(module.named_modules(remove_duplicate=False))
-        params, param_names = _unique_named(_members(walk, "_parameters"))
-        buffers, buffer_names = _unique_named(_members(walk, "_buffers"))
+        # a module registered twice (``Sequential(block, act, block)``) is one module: naming its
+        # tensors twice made the trace's swap save its own stand-in as the original under the
+        # second name, and the stand-ins stayed in the module after the call
+        unique = _unique_modules(walk)
+        params, param_names = _unique_named(_members(unique, "_parameters"))
+        buffers, buffer_names = _unique_named(_members(unique, "_buffers"))
         _check_state(module, optimizer, params)
         tracked = frozenset(
             j for j, (leaf, path) in enumerate(zip(flat, paths))
@@ -126,7 +130,7 @@ class StepBinding:
             param_names=param_names,
             buffers=buffers,
             buffer_names=buffer_names,
-            modules=_unique_modules(walk),
+            modules=unique,
             flat_args=flat,
             args_spec=spec,
             args=args,
@@ -144,6 +148,13 @@ class StepBinding:
     # ------------------------------------------------------------------ derived views
     def param_index(self) -> dict[int, int]:
         return {id(p): i for i, p in enumerate(self.params)}
+
+    def _buffer_views(self) -> tuple:
+        """The key's map of buffers that are views of others; raises for sharing a trace cannot
+        reproduce, an argument sharing a buffer's or parameter's memory included."""
+        refuse_state_arguments(self.flat_args, self.arg_paths, self.buffers, self.buffer_names,
+                               self.params, self.param_names)
+        return find_buffer_views(self.buffers, self.buffer_names, self.params, self.param_names)
 
     def arg_paths(self) -> list[str]:
         """Each flat argument leaf's path as the user wrote it (``args[2]['input_ids']``)."""
@@ -214,7 +225,7 @@ class StepBinding:
             params=tuple([(id(p),) + tensor_spec(p) + _tensor_hooks(p) for p in self.params]),
             grads=tuple([None if (g := p.grad) is None else tensor_spec(g) for p in self.params]),
             buffers=tuple([(id(b),) + tensor_spec(b) for b in self.buffers]),
-            buffer_views=find_buffer_views(self.buffers, self.buffer_names),
+            buffer_views=self._buffer_views(),
             groups=groups,
             state=state,
             optimizer_hooks=opt_hooks,

@@ -10,21 +10,26 @@ through its base lost the update in the viewed half, silently, until 2026-11-28)
 :func:`find_buffer_views` maps each buffer whose memory lies inside another buffer's to that
 base; the trace then builds the view from the base's traced value (:func:`traced_view`), so
 functionalization carries every write through either name to both, only the base is broadcast
-and only the base is written back. The map is part of the step's cache key, since ``.data =``
-can change what shares memory without replacing a buffer.
+and only the base is written back. The map (base and offset of each view) is part of the
+step's cache key, since ``.data =`` can change what shares memory, or where, without replacing
+a buffer.
 
 Refused (:class:`SpmdUsageError`, before anything runs): two buffers whose memory overlaps without
 one holding the other, a view of another dtype, a view where the view or its base is not
-contiguous (a column slice), and a buffer sharing memory with a parameter (the parameter is
-updated inside the graph, the buffer's copy would be written back over it).
+contiguous (a column slice), a buffer sharing memory with a parameter (the parameter is
+updated inside the graph, the buffer's copy would be written back over it), and a tensor
+argument sharing memory with a buffer or parameter (:func:`refuse_state_arguments`).
 
 Requires: real tensors. Guarantees: bases are never views themselves (the largest extent wins).
+The common case (no two buffers share an allocation, none shares a parameter's) costs one
+storage lookup per buffer and parameter per call.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -44,22 +49,82 @@ def _name(names: Sequence[tuple[str, ...]], i: int) -> str:
     return names[i][0]
 
 
+#: a view's place: the index of the buffer that holds it and its offset in elements from the
+#: base's first element
+View = tuple[int, int]
+
+#: results for layouts that had shared memory, by ``_signature`` (a model with many views of one
+#: table, per-layer slices of rotary codes, paid ~2 us a buffer per call for the sweep)
+_SEEN: dict[tuple, tuple[View | None, ...]] = {}
+_SEEN_LIMIT = 64
+
+
+def refuse_state_arguments(
+    args: Sequence[Any], labels: Callable[[], list[str]],
+    buffers: Sequence[torch.Tensor], buffer_names: Sequence[tuple[str, ...]],
+    params: Sequence[torch.Tensor], param_names: Sequence[tuple[str, ...]],
+) -> None:
+    """Refuse a tensor argument that shares memory with a buffer or parameter of the module
+    (``step(model, opt, x, model.count)``): both would be separate graph inputs, each written
+    back on its own, and the step that updated one through the other left neither as eager
+    does (2026-11-28). ``labels()`` names the arguments (computed only to raise)."""
+    tensors = [(j, a) for j, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if not tensors:
+        return
+    state: dict[int, tuple[str, str]] = {}
+    same: dict[int, tuple[str, str]] = {}  # the very tensor first, then any sharing its memory
+    for kind, group, names in (("buffer", buffers, buffer_names), ("parameter", params, param_names)):
+        for i, t in enumerate(group):
+            state.setdefault(t.untyped_storage().data_ptr(), (kind, names[i][0]))
+            same[id(t)] = (kind, names[i][0])
+    state.pop(0, None)
+    for j, a in tensors:
+        found = same.get(id(a)) or state.get(a.untyped_storage().data_ptr())
+        if found is not None:
+            raise SpmdUsageError(
+                f"spmd_backend.compile: argument {labels()[j]} shares memory with the module's "
+                f"{found[0]} {found[1]!r}; the step would read and write them as two tensors. "
+                f"Let the step reach it through the module (model.{found[1]}), or pass a copy"
+            )
+
+
 def find_buffer_views(
     buffers: Sequence[torch.Tensor], buffer_names: Sequence[tuple[str, ...]],
-    params: Sequence[torch.Tensor] = (), param_names: Sequence[tuple[str, ...]] = (),
-) -> tuple[int | None, ...]:
-    """For each buffer, the index of the buffer whose memory holds it, or None.
+    params: Sequence[torch.Tensor], param_names: Sequence[tuple[str, ...]],
+) -> tuple[View | None, ...]:
+    """For each buffer, where it lies inside another buffer (:data:`View`), or None. Raises
+    :class:`SpmdUsageError` for sharing the trace cannot reproduce (see the module docstring).
 
-    ``params`` (checked only when given: the trace passes them, a call's key does not) are
-    refused as bases."""
-    bases: list[int | None] = [None] * len(buffers)
+    Every call's key holds the result, so a ``.data =`` that moves a view, or makes a buffer
+    share a parameter's memory, retraces (and is checked) instead of replaying the old layout.
+    """
     storages = [b.untyped_storage().data_ptr() for b in buffers]  # 0: no memory
-    if params:
+    owned = {p.untyped_storage().data_ptr() for p in params}
+    owned.discard(0)
+    unique = len(set(storages)) == len(storages)
+    if unique and owned.isdisjoint(storages):  # the common case: nothing shares memory
+        return (None,) * len(buffers)
+    if not owned.isdisjoint(storages):
         _refuse_parameter_memory(buffers, buffer_names, storages, params, param_names)
-    if len(set(storages)) == len(storages):  # no two share an allocation: the common case
-        return tuple(bases)
+    if unique:
+        return (None,) * len(buffers)
     counts = Counter(s for s in storages if s)
-    spans = [(_extent(buffers[i]), i) for i, s in enumerate(storages) if s and counts[s] > 1]
+    shared = [i for i, s in enumerate(storages) if s and counts[s] > 1]
+    signature = tuple((i, storages[i], buffers[i].storage_offset(), buffers[i].shape,
+                       buffers[i].stride(), buffers[i].dtype) for i in shared)
+    found = _SEEN.get(signature)
+    if found is None or len(found) != len(buffers):
+        found = _sweep(buffers, buffer_names, shared)
+        if len(_SEEN) >= _SEEN_LIMIT:
+            _SEEN.clear()
+        _SEEN[signature] = found
+    return found
+
+
+def _sweep(buffers: Sequence[torch.Tensor], buffer_names: Sequence[tuple[str, ...]],
+           shared: list[int]) -> tuple[View | None, ...]:
+    views: list[View | None] = [None] * len(buffers)
+    spans = [(_extent(buffers[i]), i) for i in shared]
     ordered = sorted(((e[0], -e[1], i) for e, i in spans if e is not None))
     current: tuple[int, int] | None = None  # (end, index) of the open outermost buffer
     for start, neg_end, i in ordered:
@@ -86,10 +151,10 @@ def find_buffer_views(
                     "Register one of them and take the other in forward, or use "
                     'torch.compile(step, backend="spmd")'
                 )
-            bases[i] = base
+            views[i] = (base, buffers[i].storage_offset() - buffers[base].storage_offset())
         else:
             current = (end, i)
-    return tuple(bases)
+    return tuple(views)
 
 
 def _refuse_parameter_memory(
@@ -115,13 +180,12 @@ def _refuse_parameter_memory(
                 )
 
 
-def traced_view(base_value: torch.Tensor, base: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """``view`` (a real contiguous buffer inside the real contiguous buffer ``base``) built from
-    ``base``'s traced value with view ops relative to it (flatten, narrow, view), never an
+def traced_view(base_value: torch.Tensor, offset: int, view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a real contiguous buffer ``offset`` elements into a contiguous base) built
+    from the base's traced value with view ops relative to it (flatten, narrow, view), never an
     absolute ``as_strided``: a pass may give the base another place in memory (the coalesced
     buffer broadcast makes it a slice of one flat tensor)."""
-    offset = view.storage_offset() - base.storage_offset()
     return base_value.view(-1).narrow(0, offset, view.numel()).view(view.shape)
 
 
-__all__ = ["find_buffer_views", "traced_view"]
+__all__ = ["View", "find_buffer_views", "refuse_state_arguments", "traced_view"]

@@ -169,7 +169,8 @@ class StepKey:
     params: tuple
     grads: tuple
     buffers: tuple
-    #: per buffer, the buffer whose memory holds it (:mod:`spmd_backend.tracing.buffer_views`)
+    #: per buffer, the buffer whose memory holds it and the offset there
+    #: (:mod:`spmd_backend.tracing.buffer_views`)
     buffer_views: tuple
     groups: tuple
     state: tuple

@@ -160,7 +160,7 @@ class StepFunction:
         self.saw_backward = False
         self.skip_flag = SkipFlag()
         self.effects = Effects()
-        #: per buffer, the buffer whose memory holds it (traced as a view of it), or None
+        #: per buffer, the buffer whose memory holds it and where (traced as a view), or None
         self.buffer_bases = find_buffer_views(binding.buffers, binding.buffer_names,
                                               binding.params, binding.param_names)
         opt = binding.optimizer
@@ -206,9 +206,9 @@ class StepFunction:
                 for t, j in zip(inputs.args, layout.arg_inputs)
             ],
         )
-        for j, base in enumerate(self.buffer_bases):
-            if base is not None:
-                lifted.buffers[j] = traced_view(lifted.buffers[base], binding.buffers[base],
+        for j, place in enumerate(self.buffer_bases):
+            if place is not None:
+                lifted.buffers[j] = traced_view(lifted.buffers[place[0]], place[1],
                                                 binding.buffers[j])
         for i, g in zip(layout.grad_inputs, lifted.grads):
             params[i].grad = g
@@ -251,7 +251,7 @@ class StepFunction:
         snapshot = StateSnapshot(binding.modules, (args, kwargs), outside, self._arg_label)
         try:
             with self._gradient_markers(lifted), \
-                    stateless._reparametrize_module(binding.module, mapping, tie_weights=True), \
+                    stateless._reparametrize_module(binding.module, mapping, tie_weights=False), \
                     grad_scalers_swapped(binding.aux_objects, self.layout.aux_inputs, lifted.aux,
                                          self.ctx, self.skip_flag), \
                     opt_cm as traced_state:
@@ -406,8 +406,6 @@ class StepFunction:
         outputs: list[torch.Tensor] = []
         for kind, real_list, fun_list, what, names in groups:
             for j, (real, f) in enumerate(zip(real_list, fun_list)):
-                if kind == "buffers" and self.buffer_bases[j] is not None:
-                    continue  # a view of another buffer: written back with its base
                 torch._sync(f)
                 if torch._functionalize_has_metadata_mutation(f.elem):
                     label = names[j][0] if names else f"#{j}"
@@ -417,6 +415,8 @@ class StepFunction:
                     )
                 if not torch._functionalize_has_data_mutation(f.elem) or kind == "grads":
                     continue
+                if kind == "buffers" and self.buffer_bases[j] is not None:
+                    continue  # a view of another buffer: written back with its base
                 if kind in ("buffers", "args"):
                     layout.mutated_outputs.append((kind, j))
                     outputs.append(from_functional(f))
