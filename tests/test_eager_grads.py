@@ -411,32 +411,6 @@ class _Trainer:
         self.opt.zero_grad()
 
 
-def _trainer_job(rank: int, world: int) -> float:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential()
-    model.a, model.act, model.b = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)
-    ddp = DDP(copy.deepcopy(model))
-    trainer = _Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    reference = _Trainer(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
-    compiled = torch.compile(trainer.step, backend="spmd", options=FAST)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        x = torch.randn(8, 8, generator=gen)
-        compiled(x)
-        reference.step(x)
-    return max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
-
-
-def test_a_trainer_method_giving_a_weight_to_a_disabled_function_trains_like_ddp(rank_pool):
-    """The frame is the trainer's method: the modules and optimizers it reaches are held by
-    ``self``. Before 2026-11-28 only the frame's own values were searched, nothing was adopted
-    and the step was refused in ``backward()`` (the penalty's gradient was never reduced)."""
-    assert all(diff < 1e-6 for diff in rank_pool.run(_trainer_job)), "off DDP"
-
-
 class _Meter(nn.Module):
     """What a trainer may hold besides the model: a per-rank count and a locally trained probe."""
 
@@ -448,10 +422,12 @@ class _Meter(nn.Module):
             self.probe.weight.fill_(rank)
 
 
-def _trainer_holding_more_job(rank: int, world: int) -> tuple[float, float, float]:
-    """The trainer of ``_trainer_job`` also holds a DDP copy it never uses and a meter: neither
-    is reached by its method (found in review: the DDP copy was refused, and the meter adopted:
-    its per-rank count and probe overwritten with rank 0's after each backward)."""
+def _trainer_job(rank: int, world: int, holds_more: bool) -> tuple[float, float, float]:
+    """3 steps of ``_Trainer.step`` through ``backend="spmd"`` and on DDP: (the largest parameter
+    difference, the meter's count, its probe weight). ``holds_more``: the trainer also holds a
+    DDP copy it never uses and a meter, which its method does not reach (found in review: the
+    copy was refused, and the meter adopted: its per-rank count and probe overwritten with rank
+    0's after each backward)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch._dynamo.reset()
@@ -460,7 +436,9 @@ def _trainer_holding_more_job(rank: int, world: int) -> tuple[float, float, floa
     model.a, model.act, model.b = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)
     ddp = DDP(copy.deepcopy(model))
     trainer = _Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    trainer.spare, trainer.meter = DDP(copy.deepcopy(model)), _Meter(rank)
+    meter = _Meter(rank)
+    if holds_more:
+        trainer.spare, trainer.meter = DDP(copy.deepcopy(model)), meter
     reference = _Trainer(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
     compiled = torch.compile(trainer.step, backend="spmd", options=FAST)
     gen = torch.Generator().manual_seed(rank)
@@ -468,13 +446,19 @@ def _trainer_holding_more_job(rank: int, world: int) -> tuple[float, float, floa
         x = torch.randn(8, 8, generator=gen)
         compiled(x)
         reference.step(x)
-        trainer.meter.seen.add_(1)
+        meter.seen.add_(1)
     diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
-    return diff, float(trainer.meter.seen), float(trainer.meter.probe.weight[0, 0])
+    return diff, float(meter.seen), float(meter.probe.weight[0, 0])
 
 
-def test_a_trainer_method_reaches_only_what_its_code_names(rank_pool):
-    for rank, (diff, seen, probe) in enumerate(rank_pool.run(_trainer_holding_more_job)):
+@pytest.mark.parametrize("holds_more", [False, True], ids=["model_and_optimizer", "and_more"])
+def test_a_trainer_method_giving_a_weight_to_a_disabled_function_trains_like_ddp(rank_pool,
+                                                                                 holds_more):
+    """The frame is the trainer's method: the modules and optimizers it reaches are held by
+    ``self``. Before 2026-11-28 only the frame's own values were searched, nothing was adopted
+    and the step was refused in ``backward()`` (the penalty's gradient was never reduced). Only
+    the attributes its code names are reached."""
+    for rank, (diff, seen, probe) in enumerate(rank_pool.run(_trainer_job, holds_more)):
         assert diff < 1e-6 and seen == rank + 3.0 and probe == float(rank), (rank, diff, seen, probe)
 
 
