@@ -253,9 +253,7 @@ def spmd_dynamo_backend(
     compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=whole_step, facts=facts)
     if whole_step and marked:
         compiled = _marking_reduced(compiled, [inputs.params[i] for i in dict.fromkeys(marked)])
-    elif not whole_step:  # a graph without parameters too: its backward may be the first of a
-        # backward() whose gradients all come from eager regions (QAT), and the check it runs
-        # is what lets every rank reduce those (eager_grads' collective session)
+    elif not whole_step and hooked:
         compiled = _per_graph_calls(compiled, gm, config, hooked, inputs.fqns, facts)
     compiled = _checked_before_each_call(compiled, hooked, inputs.fqns, check)
     release_freed_heap()  # what tracing and compiling freed, back to the OS

@@ -32,14 +32,6 @@ covered, in ``next_functions`` order, and one all_reduce of two int64 numbers
 synchronization) compares a code of their digests and of the identity of their parameters
 (numbered in the order each first reached a check, the same on every rank while they agree).
 
-A forward graph without trainable parameters is wrapped too: its backward node starts the check
-only when the group has parameters whose gradients come from eager regions
-(:mod:`spmd_backend.dynamo.eager_grads`), because the check is what opens their reduction on
-every rank and such a graph may be the only compiled part of a ``backward()`` (QAT: Dynamo skips
-torch's fake-quantize functions, every parameter's gradient is eager; refused as a backward
-outside the step until 2026-11-28). Graphs without parameters add nothing to the code the ranks
-compare (they have no collectives).
-
 Requires: ranks that took the same path built the same autograd graph (the walk's order is the
 graph's). Guarantees: when the ranks' codes differ every rank raises
 :class:`~spmd_backend.errors.SpmdDistributedError` from ``backward()`` before the first
@@ -136,21 +128,16 @@ class BackwardSchedule:
         ours = [n for n in found if getattr(n, _ENTRY, (None,) * 4)[3] is self
                 and not getattr(n, _COVERED, False)]
         numbers, new = self._number([p for n in ours for p in getattr(n, _ENTRY)[1]])
-        # graphs without parameters have no collectives: not part of the code (a loss term that
-        # only some ranks compute is fine, as under DDP)
-        lines = [getattr(n, _ENTRY)[0] for n in ours if getattr(n, _ENTRY)[1]]
+        lines = [getattr(n, _ENTRY)[0] for n in ours]
         # a group with parameters of eager regions (eager_grads) reduces their gradients at the
         # end of this backward(): every rank opens that session here, and they agree it exists
         eager = eager_grads.of_group(self.group)
         code = hashlib.sha256(f"{lines}:{numbers}:{len(eager)}".encode()).hexdigest()
-        # named by the first that reduces parameters (a graph without any, the loss's, is
-        # checked too: it may be the only compiled part of a backward of eager gradients)
-        first = next((n for n in ours if getattr(n, _ENTRY)[1]), node)
-        params = getattr(first, _ENTRY)[1]
+        params = getattr(node, _ENTRY)[1]
         agree_on_schedule(
             code, self.group, 'backend="spmd" (per-graph mode)',
             f" This rank was about to run the backward graphs of {len(ours)} compiled "
-            f"forward call(s), the first: {getattr(first, _ENTRY)[2]}.",
+            f"forward call(s), the first: {getattr(node, _ENTRY)[2]}.",
             state="No parameter was updated (zero the gradients before training on: where "
             "a backward() has separate compiled parts, those that ran before the check keep "
             "their gradients).",
@@ -200,11 +187,8 @@ def _own_backward_node(out: Any, args: Sequence[Any], learned: list[type]) -> An
 @torch.compiler.disable  # autograd calls it from inside a compiled step's backward()
 def _check_before(schedule: BackwardSchedule, node_ref: weakref.ref, _grads: Any) -> None:
     node = node_ref()
-    if node is None or getattr(node, _COVERED, False):
-        return
-    if not getattr(node, _ENTRY)[1] and not eager_grads.of_group(schedule.group):
-        return  # a graph without parameters checks only to open an eager-gradient session
-    schedule.check_from(node)
+    if node is not None and not getattr(node, _COVERED, False):
+        schedule.check_from(node)
 
 
 @torch.compiler.disable
