@@ -76,3 +76,30 @@ def test_quantization_aware_training_matches_ddp(rank_pool):
         assert result.pop("trace_count") == 2
         worst = max(result, key=result.get)
         assert result[worst] < 1e-5, (worst, result[worst])
+
+
+def _qat_dynamo_job(rank: int, world_size: int) -> tuple[str, float]:
+    """One QAT step through ``backend="spmd"``: (the error, the largest parameter change)."""
+    torch._dynamo.reset()
+    model = _qat_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = torch.compile(train_step, backend="spmd", options={"inductor": False})
+    message = "trained"
+    try:
+        step(model, opt, torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)))
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        message = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return message, max(float((p - b).abs().max()) for p, b in zip(model.parameters(), before))
+
+
+def test_quantization_aware_training_through_dynamo_is_refused_naming_it(rank_pool):
+    """Dynamo skips torch's fake-quantize functions: every gradient is eager and the step's
+    compiled graphs have no parameter, so no rank-wide check opens their reduction. Refused on
+    every rank in backward(), nothing stepped, the message naming QAT and the compile door (an
+    attempt to let a graph without parameters open the reduction, 2026-11-28, was withdrawn:
+    such a graph can run on one rank only, and the ranks' checks fell out of step)."""
+    for message, changed in rank_pool.run(_qat_dynamo_job):
+        assert message.startswith("SpmdUsageError") and "quantization-aware training" in message, message
+        assert changed == 0.0

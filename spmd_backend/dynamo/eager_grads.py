@@ -126,11 +126,14 @@ class _Session:
                 raise SpmdUsageError(
                     f'backend="spmd": the gradient of parameter {self.parts[0].fqn!r} (and '
                     f"{len(self.parts) - 1} more) was computed eagerly in a backward() that ran "
-                    "no spmd-compiled graph on this rank (a backward() outside the compiled "
-                    "step?), so it was not synchronized across ranks; the gradients stay as "
-                    "this rank computed them and an optimizer step through backend=\"spmd\" "
-                    "refuses them. Compute such gradients inside the compiled step, or use "
-                    "torch.autograd.grad for a local quantity (a saliency map)")
+                    "no spmd-compiled graph with parameters on this rank (a backward() outside "
+                    "the compiled step, or a step whose every parameter is used only in code "
+                    "Dynamo does not compile: quantization-aware training, where it skips "
+                    "torch's fake-quantize functions), so it was not synchronized across ranks; "
+                    "the gradients stay as this rank computed them and an optimizer step "
+                    "through backend=\"spmd\" refuses them. Compute such gradients inside the "
+                    "compiled step, use torch.autograd.grad for a local quantity (a saliency "
+                    "map), or train QAT with spmd_backend.compile")
             return
         parts = sorted(self.parts, key=lambda p: p.fqn)
         lines = [f"{p.fqn} {list(p.eager.shape)} {p.eager.dtype}" for p in parts]
