@@ -36,7 +36,10 @@ When a frame is adopted (all ranks compile it at the same call), its parameters 
 of the modules it reaches are verified across ranks and broadcast from the group's first rank
 once (``sync_module_states``, as DDP's constructor), and after each ``backward()`` the persistent
 buffers (running statistics) are broadcast again (DDP's ``broadcast_buffers``, which DDP does
-before the next forward: the values that forward reads are the same). With
+before the next forward: the values that forward reads are the same, unless a forward that
+updates buffers runs between the steps on some ranks only, a train-mode evaluation on rank 0:
+DDP's next forward broadcasts what it left, here the ranks keep their own until the step's
+backward; found in review, 2026-11-28, left as it is). With
 ``check_finite_grads`` a non-finite reduced part raises :class:`~spmd_backend.errors.SpmdRuntimeError`
 on every rank (the reduced values are the same everywhere) before anything is written.
 
