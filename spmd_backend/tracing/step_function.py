@@ -160,8 +160,9 @@ class StepFunction:
         self.saw_backward = False
         self.skip_flag = SkipFlag()
         self.effects = Effects()
-        #: per buffer, the buffer whose memory holds it and where (traced as a view), or None
-        self.buffer_bases = find_buffer_views(binding.buffers, binding.buffer_names,
+        #: per buffer, the buffer whose memory holds it and the offset there (traced as a view
+        #: of it), or None
+        self.buffer_views = find_buffer_views(binding.buffers, binding.buffer_names,
                                               binding.params, binding.param_names)
         opt = binding.optimizer
         self.opt_state_before = {
@@ -206,7 +207,7 @@ class StepFunction:
                 for t, j in zip(inputs.args, layout.arg_inputs)
             ],
         )
-        for j, place in enumerate(self.buffer_bases):
+        for j, place in enumerate(self.buffer_views):
             if place is not None:
                 lifted.buffers[j] = traced_view(lifted.buffers[place[0]], place[1],
                                                 binding.buffers[j])
@@ -256,9 +257,9 @@ class StepFunction:
                                          self.ctx, self.skip_flag), \
                     opt_cm as traced_state:
                 if self.mark_buffers:  # a view's memory is its base's: broadcast with it
-                    for names, fb, base in zip(binding.buffer_names, lifted.buffers,
-                                               self.buffer_bases):
-                        if base is None:
+                    for names, fb, view in zip(binding.buffer_names, lifted.buffers,
+                                               self.buffer_views):
+                        if view is None:
                             fb.copy_(BUFFER_SYNC(fb, names[0]))
                 out = self.fn(*args, **kwargs)
         except BaseException:
@@ -415,7 +416,7 @@ class StepFunction:
                     )
                 if not torch._functionalize_has_data_mutation(f.elem) or kind == "grads":
                     continue
-                if kind == "buffers" and self.buffer_bases[j] is not None:
+                if kind == "buffers" and self.buffer_views[j] is not None:
                     continue  # a view of another buffer: written back with its base
                 if kind in ("buffers", "args"):
                     layout.mutated_outputs.append((kind, j))
