@@ -411,6 +411,50 @@ class _Trainer:
         self.opt.zero_grad()
 
 
+@torch._dynamo.disable
+def _eager_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+def _one_rank_term_step(model, opt, x):
+    """A second loss term only some ranks add (their batches take the branch), computed in a
+    separately compiled part and summed eagerly."""
+    h = model(x)
+    loss = h.pow(2).mean()
+    torch._dynamo.graph_break()
+    if (x[:, 0] > 0).any():
+        loss = _eager_sum(loss, h.abs().mean())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _one_rank_term_job(rank: int, world: int) -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TiedInDisabled()
+    ddp = DDP(copy.deepcopy(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+    def batch(g: torch.Generator) -> torch.Tensor:
+        x = torch.randn(8, 8, generator=g)
+        x[:, 0] = x[:, 0].abs() if rank == 0 else -x[:, 0].abs()  # rank 0 alone takes it
+        return x
+
+    return _beside_ddp(_one_rank_term_step, model, opt, ddp, ref_opt, batch, rank, steps=4)
+
+
+def test_a_loss_term_only_some_ranks_add_trains_like_ddp(rank_pool):
+    """The parameterless graph of that term must not start the ranks' check on one rank only:
+    an attempt to let such graphs open the eager-gradient reduction (for QAT, withdrawn the same
+    day) made rank 0 run a second check here, which met rank 1's gradient all_reduce (found in
+    review, 2026-11-28)."""
+    assert all(diff < 1e-6 for diff in rank_pool.run(_one_rank_term_job, timeout=90)), "off DDP"
+
+
 class _Meter(nn.Module):
     """What a trainer may hold besides the model: a per-rank count and a locally trained probe."""
 
