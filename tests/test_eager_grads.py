@@ -361,18 +361,23 @@ def _square_step(model, opt, x):
     opt.zero_grad()
 
 
-def _broken_inside_job(rank: int, world: int, case: str) -> tuple[float, float]:
-    """3 SGD-momentum steps through ``backend="spmd"`` and through DDP, each rank on its own
-    batches: (largest parameter difference, largest buffer difference from DDP's rank 0)."""
+def _with_ddp_twin(build):
+    """A fresh model (seed 0), its SGD-momentum optimizer, a DDP copy and the copy's optimizer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    build, batch = _BROKEN_INSIDE[case]
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build()
     ddp = DDP(copy.deepcopy(model))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    return (model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+
+
+def _broken_inside_job(rank: int, world: int, case: str) -> tuple[float, float]:
+    """3 SGD-momentum steps through ``backend="spmd"`` and through DDP, each rank on its own
+    batches: (largest parameter difference, largest buffer difference from DDP's rank 0)."""
+    build, batch = _BROKEN_INSIDE[case]
+    model, opt, ddp, ref_opt = _with_ddp_twin(build)
     params = _beside_ddp(_square_step, model, opt, ddp, ref_opt, batch, rank)
     buffers = 0.0
     for mine, ref in zip(model.buffers(), ddp.module.buffers()):
@@ -430,14 +435,7 @@ def _one_rank_term_step(model, opt, x):
 
 
 def _one_rank_term_job(rank: int, world: int) -> float:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _TiedInDisabled()
-    ddp = DDP(copy.deepcopy(model))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    model, opt, ddp, ref_opt = _with_ddp_twin(_TiedInDisabled)
 
     def batch(g: torch.Generator) -> torch.Tensor:
         x = torch.randn(8, 8, generator=g)
