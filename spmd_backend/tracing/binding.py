@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import GetAttrKey
 
 from spmd_backend.errors import SpmdUsageError
-from spmd_backend.tracing.buffer_views import find_buffer_views, refuse_state_arguments
+from spmd_backend.tracing.buffer_views import find_buffer_views
 from spmd_backend.tracing.free_values import free_values
 from spmd_backend.tracing.hyperparams import HyperSlot, lifted_slots
 from spmd_backend.tracing.key import StepKey, global_context, hashable, tensor_spec
@@ -152,9 +152,8 @@ class StepBinding:
     def _buffer_views(self) -> tuple:
         """The key's map of buffers that are views of others; raises for sharing a trace cannot
         reproduce, an argument sharing a buffer's or parameter's memory included."""
-        refuse_state_arguments(self.flat_args, self.arg_paths, self.buffers, self.buffer_names,
-                               self.params, self.param_names)
-        return find_buffer_views(self.buffers, self.buffer_names, self.params, self.param_names)
+        return find_buffer_views(self.buffers, self.buffer_names, self.params, self.param_names,
+                                 self.flat_args, self.arg_paths)
 
     def arg_paths(self) -> list[str]:
         """Each flat argument leaf's path as the user wrote it (``args[2]['input_ids']``)."""

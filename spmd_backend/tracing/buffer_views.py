@@ -18,7 +18,7 @@ Refused (:class:`SpmdUsageError`, before anything runs): two buffers whose memor
 one holding the other, a view of another dtype, a view where the view or its base is not
 contiguous (a column slice), a buffer sharing memory with a parameter (the parameter is
 updated inside the graph, the buffer's copy would be written back over it), and a tensor
-argument sharing memory with a buffer or parameter (:func:`refuse_state_arguments`).
+argument sharing memory with a buffer or parameter.
 
 Requires: real tensors. Guarantees: bases are never views themselves (the largest extent wins).
 The common case (no two buffers share an allocation, none shares a parameter's) costs one
@@ -53,47 +53,23 @@ def _name(names: Sequence[tuple[str, ...]], i: int) -> str:
 #: base's first element
 View = tuple[int, int]
 
-#: results for layouts that had shared memory, by ``_signature`` (a model with many views of one
-#: table, per-layer slices of rotary codes, paid ~2 us a buffer per call for the sweep)
+#: results for layouts that had shared memory, by the sharing buffers' storage, offset, shape,
+#: stride and dtype (a model with many views of one table, per-layer slices of rotary codes,
+#: paid ~2 us a buffer per call for the sweep)
 _SEEN: dict[tuple, tuple[View | None, ...]] = {}
 _SEEN_LIMIT = 64
-
-
-def refuse_state_arguments(
-    args: Sequence[Any], labels: Callable[[], list[str]],
-    buffers: Sequence[torch.Tensor], buffer_names: Sequence[tuple[str, ...]],
-    params: Sequence[torch.Tensor], param_names: Sequence[tuple[str, ...]],
-) -> None:
-    """Refuse a tensor argument that shares memory with a buffer or parameter of the module
-    (``step(model, opt, x, model.count)``): both would be separate graph inputs, each written
-    back on its own, and the step that updated one through the other left neither as eager
-    does (2026-11-28). ``labels()`` names the arguments (computed only to raise)."""
-    tensors = [(j, a) for j, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    if not tensors:
-        return
-    state: dict[int, tuple[str, str]] = {}
-    same: dict[int, tuple[str, str]] = {}  # the very tensor first, then any sharing its memory
-    for kind, group, names in (("buffer", buffers, buffer_names), ("parameter", params, param_names)):
-        for i, t in enumerate(group):
-            state.setdefault(t.untyped_storage().data_ptr(), (kind, names[i][0]))
-            same[id(t)] = (kind, names[i][0])
-    state.pop(0, None)
-    for j, a in tensors:
-        found = same.get(id(a)) or state.get(a.untyped_storage().data_ptr())
-        if found is not None:
-            raise SpmdUsageError(
-                f"spmd_backend.compile: argument {labels()[j]} shares memory with the module's "
-                f"{found[0]} {found[1]!r}; the step would read and write them as two tensors. "
-                f"Let the step reach it through the module (model.{found[1]}), or pass a copy"
-            )
 
 
 def find_buffer_views(
     buffers: Sequence[torch.Tensor], buffer_names: Sequence[tuple[str, ...]],
     params: Sequence[torch.Tensor], param_names: Sequence[tuple[str, ...]],
+    args: Sequence[Any] = (), arg_labels: Callable[[], list[str]] | None = None,
 ) -> tuple[View | None, ...]:
     """For each buffer, where it lies inside another buffer (:data:`View`), or None. Raises
-    :class:`SpmdUsageError` for sharing the trace cannot reproduce (see the module docstring).
+    :class:`SpmdUsageError` for sharing the trace cannot reproduce (see the module docstring),
+    a tensor among ``args`` sharing a buffer's or parameter's memory included
+    (``step(model, opt, x, model.count)``: two graph inputs, each written back on its own, left
+    neither as eager does; ``arg_labels()`` names them, computed only to raise).
 
     Every call's key holds the result, so a ``.data =`` that moves a view, or makes a buffer
     share a parameter's memory, retraces (and is checked) instead of replaying the old layout.
@@ -101,6 +77,10 @@ def find_buffer_views(
     storages = [b.untyped_storage().data_ptr() for b in buffers]  # 0: no memory
     owned = {p.untyped_storage().data_ptr() for p in params}
     owned.discard(0)
+    for j, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and (ptr := a.untyped_storage().data_ptr()) \
+                and (ptr in owned or ptr in storages):
+            _refuse_argument(j, a, arg_labels, buffers, buffer_names, params, param_names)
     unique = len(set(storages)) == len(storages)
     if unique and owned.isdisjoint(storages):  # the common case: nothing shares memory
         return (None,) * len(buffers)
@@ -157,6 +137,25 @@ def _sweep(buffers: Sequence[torch.Tensor], buffer_names: Sequence[tuple[str, ..
     return tuple(views)
 
 
+def _refuse_argument(
+    j: int, arg: torch.Tensor, labels: Callable[[], list[str]] | None,
+    buffers: Sequence[torch.Tensor], buffer_names: Sequence[tuple[str, ...]],
+    params: Sequence[torch.Tensor], param_names: Sequence[tuple[str, ...]],
+) -> None:
+    """Raise for argument ``j``, naming the buffer or parameter it is (else shares memory with)."""
+    ptr = arg.untyped_storage().data_ptr()
+    state = [("buffer", t, n[0]) for t, n in zip(buffers, buffer_names)]
+    state += [("parameter", t, n[0]) for t, n in zip(params, param_names)]
+    kind, name = next(((k, n) for k, t, n in state if t is arg), None) or next(
+        (k, n) for k, t, n in state if t.untyped_storage().data_ptr() == ptr)
+    label = labels()[j] if labels is not None else f"#{j}"
+    raise SpmdUsageError(
+        f"spmd_backend.compile: argument {label} shares memory with the module's {kind} "
+        f"{name!r}; the step would read and write them as two tensors. Let the step reach it "
+        f"through the module (model.{name}), or pass a copy"
+    )
+
+
 def _refuse_parameter_memory(
     buffers: Sequence[torch.Tensor], buffer_names: Sequence[tuple[str, ...]],
     storages: list[int], params: Sequence[torch.Tensor], param_names: Sequence[tuple[str, ...]],
@@ -188,4 +187,4 @@ def traced_view(base_value: torch.Tensor, offset: int, view: torch.Tensor) -> to
     return base_value.view(-1).narrow(0, offset, view.numel()).view(view.shape)
 
 
-__all__ = ["View", "find_buffer_views", "refuse_state_arguments", "traced_view"]
+__all__ = ["View", "find_buffer_views", "traced_view"]
