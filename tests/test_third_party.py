@@ -10,6 +10,8 @@ Batches depend on the rank, so a compiled step without gradient collectives dive
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 
 import pytest
@@ -70,10 +72,15 @@ def test_lora_through_dynamo(rank_pool):
     assert result.losses[0] != result.losses[-1], "the model did not train"
 
 
-def _with_passes_and_inductor_job(rank: int, world_size: int, model: str) -> list[str]:
-    """check_ddp_parity through the compile door with the default passes and a blocking Inductor
-    compile; returns the lowering's warnings (a fallback to the fx graph is one)."""
+def _with_passes_and_inductor_job(rank: int, world_size: int) -> list[str]:
+    """check_ddp_parity of a one-layer ``hf_gpt2_dropout`` through the compile door with the
+    default passes and a blocking Inductor compile (one layer: the compile is most of the
+    test's time); returns the lowering's warnings (a fallback to the fx graph is one)."""
     from spmd_backend.gm_transformation import GraphModuleTransformation
+    from spmd_backend.testing import third_party
+
+    registered = third_party.THIRD_PARTY_MODELS["hf_gpt2_dropout"]
+    model = dataclasses.replace(registered, build=functools.partial(third_party._gpt2, 0.1, layers=1))
 
     warnings: list[str] = []
 
@@ -100,7 +107,7 @@ def test_dropout_model_with_passes_and_inductor(rank_pool):
     masks (DDP's step draws from the same generator state). Its attention concatenates the
     transposed keys with transformers' empty cache; until 2026-11-28 Inductor could not compile
     that graph (lowering/cat_layout.py) and every step ran as the fx graph."""
-    warnings = rank_pool.run(_with_passes_and_inductor_job, "hf_gpt2_dropout")
+    warnings = rank_pool.run(_with_passes_and_inductor_job)
     assert warnings == [[], []], warnings
 
 

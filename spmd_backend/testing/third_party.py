@@ -34,10 +34,10 @@ def _padded_tokens(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return ids * mask, mask
 
 
-def _gpt2(dropout: float = 0.0) -> nn.Module:
+def _gpt2(dropout: float = 0.0, layers: int = 2) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+    config = GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                         bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
