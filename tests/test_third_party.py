@@ -1,6 +1,6 @@
 """Parity with DDP on models nobody here wrote: transformers GPT-2, Llama, BERT and T5 with padded
 attention masks (random init, tiny configs), GPT-2 with its config's dropout, peft's LoRA on
-Llama, torch's ``nn.TransformerEncoder`` (padded, and under a causal mask), ``nn.Transformer``
+Llama, gpt-oss (a mixture of experts), torch's ``nn.TransformerEncoder`` (padded, and under a causal mask), ``nn.Transformer``
 and its recurrent layers (``nn.LSTM``, a bidirectional ``nn.GRU``), trained with
 ``AdamW`` as users write it (torch's default implementation) and an LR schedule, 2 gloo ranks.
 
@@ -27,7 +27,7 @@ ADAMW = OptimSpec("adamw", "default", lr=1e-3, weight_decay=0.01, scheduler=True
 
 
 @pytest.mark.parametrize("model", ["hf_gpt2", "hf_gpt2_dropout", "hf_llama", "hf_lora_llama",
-                                   "hf_bert", "hf_t5", "torch_encoder", "torch_recurrent"])
+                                   "hf_gpt_oss", "hf_bert", "hf_t5", "torch_encoder", "torch_recurrent"])
 def test_third_party_parity(rank_pool, model):
     if model == "hf_lora_llama":
         pytest.importorskip("peft")
@@ -59,6 +59,17 @@ def test_transformer_layers_under_a_causal_mask(rank_pool, model, door):
     assert result.losses[0] != result.losses[-1], "the model did not train"
     if door == "dynamo":
         assert result.dynamo["graph_breaks"] == 0, result.dynamo
+
+
+def test_mixture_of_experts_through_dynamo(rank_pool):
+    """transformers' gpt-oss through ``backend="spmd"``: the router sends each rank's tokens to
+    other experts, and every expert's gradient is still reduced as DDP's is. One whole-step
+    graph."""
+    case = ParityCase("hf_gpt_oss", ADAMW, steps=3, reduce_op="avg",
+                      dynamo_options={"inductor": False})
+    result = rank_pool.run(check_ddp_parity, case)[0]
+    assert result.dynamo["graph_breaks"] == 0 and result.dynamo["per_graph_graphs"] == 0, result.dynamo
+    assert result.losses[0] != result.losses[-1], "the model did not train"
 
 
 def test_lora_through_dynamo(rank_pool):

@@ -3,7 +3,7 @@
 
 Registered in :data:`spmd_backend.testing.models.MODELS` as ``hf_gpt2``, ``hf_gpt2_dropout``
 (GPT2Config's default dropout), ``hf_llama``, ``hf_lora_llama`` (peft's LoRA with dropout on it),
-``hf_bert``, ``hf_t5``, ``torch_encoder``, ``torch_recurrent``, ``torch_causal_lm`` (a
+``hf_gpt_oss`` (a mixture of experts), ``hf_bert``, ``hf_t5``, ``torch_encoder``, ``torch_recurrent``, ``torch_causal_lm`` (a
 ``TransformerEncoder`` under a causal mask) and ``torch_seq2seq`` (``nn.Transformer``).
 transformers (and peft) are imported only when one of them is built.
 Dropout is off except in the two models named for it (a parity check gives both sides the same
@@ -71,6 +71,23 @@ def _lora_llama() -> nn.Module:
 
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
     return get_peft_model(_llama(), config)
+
+
+def _gpt_oss() -> nn.Module:
+    """transformers' gpt-oss: a mixture of experts (4 experts, 2 per token, router and expert
+    weights with biases, the experts held as 3-D parameters), attention sinks, and sliding-window
+    layers alternating with full attention."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, head_dim=8,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"], vocab_size=VOCAB,
+                          max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
+                          pad_token_id=0)
+    model = GptOssForCausalLM(config)
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def _bert() -> nn.Module:
@@ -226,6 +243,8 @@ THIRD_PARTY_MODELS: dict[str, ModelEntry] = {
     # grouped-query attention, rotary embeddings, RMSNorm, gated MLP: today's decoder layout
     "hf_llama": ModelEntry(build=_llama, batch=_gpt2_batch, loss_fn=_hf_loss),
     "hf_lora_llama": ModelEntry(build=_lora_llama, batch=_gpt2_batch, loss_fn=_hf_loss),
+    # a mixture of experts: each rank's tokens pick other experts
+    "hf_gpt_oss": ModelEntry(build=_gpt_oss, batch=_gpt2_batch, loss_fn=_hf_loss),
     "hf_bert": ModelEntry(build=_bert, batch=_bert_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
     "hf_t5": ModelEntry(build=_t5, batch=_t5_batch, loss_fn=_hf_loss, zero_gradient=_key_bias),
     "torch_encoder": ModelEntry(build=_encoder, batch=_encoder_batch, loss_fn=_encoder_loss,
