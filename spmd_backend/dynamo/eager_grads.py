@@ -84,6 +84,7 @@ from spmd_backend.errors import SpmdRuntimeError, SpmdUsageError
 from spmd_backend.parallel.buffer_broadcast import BUCKET_BYTES
 from spmd_backend.parallel.consistency import signature_digest
 from spmd_backend.parallel.data_parallel import DataParallel
+from spmd_backend.parallel.live_groups import forget_destroyed
 from spmd_backend.parallel.schedule_check import agree_on_schedule
 from spmd_backend.parallel.state_sync import sync_module_states
 
@@ -307,6 +308,7 @@ def for_mode(mode: DataParallel) -> EagerGradients | None:
            mode.broadcast_buffers, mode.sync_module_states)
     found = _REGISTRIES.get(key)
     if found is None or found.group is not group:
+        forget_destroyed(_REGISTRIES, lambda registry: registry.group)
         found = _REGISTRIES[key] = EagerGradients(mode, group)
     return found
 

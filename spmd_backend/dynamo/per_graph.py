@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_backend.dynamo import audit, eager_grads
+from spmd_backend.parallel.live_groups import forget_destroyed
 from spmd_backend.parallel.schedule_check import agree_on_schedule
 
 #: the autograd node that accumulates a leaf's gradient (a parameter input's edge)
@@ -158,6 +159,7 @@ _SCHEDULES: dict[int, BackwardSchedule] = {}
 def backward_schedule(group: dist.ProcessGroup) -> BackwardSchedule:
     found = _SCHEDULES.get(id(group))
     if found is None or found.group is not group:
+        forget_destroyed(_SCHEDULES, lambda schedule: schedule.group)
         found = _SCHEDULES[id(group)] = BackwardSchedule(group)
     return found
 

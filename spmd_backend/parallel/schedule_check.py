@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from spmd_backend.errors import SpmdDistributedError
 from spmd_backend.parallel import consistency
+from spmd_backend.parallel.live_groups import forget_destroyed
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def cpu_channel(group: dist.ProcessGroup, device: torch.device) -> tuple[dist.Pr
                         "synchronization per check): no gloo group (%s)", group.group_name,
                         device, e)
             found = (group, device)
+    forget_destroyed(_CHANNELS, lambda entry: entry[0])
     _CHANNELS[id(group)] = (group, *found)
     return found
 
