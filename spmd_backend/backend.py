@@ -40,6 +40,7 @@ from spmd_backend import pipeline
 from spmd_backend.dynamo import audit, graphs, per_graph, scope, step_cache
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
+from spmd_backend.graph.fused_operands import MISMATCH_ADVICE, fused_operand_mismatch
 from spmd_backend.graph.meta import Phase
 from spmd_backend.memory import release_freed_heap
 from spmd_backend.parallel import consistency
@@ -62,6 +63,14 @@ def _runner(module: Any) -> Any:
     return make_boxed_func(module)
 
 
+def _refuse_unlike_fused_operands(graph: fx.Graph) -> None:
+    """Refuse a graph whose fused optimizer kernel would fail after writing its step counts
+    (graph/fused_operands.py), before anything runs."""
+    found = fused_operand_mismatch(graph)
+    if found is not None:
+        raise SpmdUsageError(f'backend="spmd": {found.describe()}. {MISMATCH_ADVICE}')
+
+
 def _compile_aot(
     gm: fx.GraphModule, example_inputs: list[Any], config: PipelineConfig,
     inputs: graphs.DynamoInputs, *, whole_step: bool, facts: per_graph.BackwardFacts,
@@ -72,6 +81,7 @@ def _compile_aot(
     watched = [*inputs.params.values(), *inputs.attributes]
 
     def whole_module(g: fx.GraphModule, ex: list[Any]) -> Any:
+        _refuse_unlike_fused_operands(g.graph)
         step_cache.drop_key(g.graph)
         graphs.hoist_markers(g.graph)
         if config.parallel.check_consistency:  # on the markers, before they become collectives
@@ -91,6 +101,7 @@ def _compile_aot(
         return GuardedStep(whole_module(g, ex), step_cache.WHOLE_STEP)
 
     def forward(g: fx.GraphModule, ex: list[Any]) -> Any:
+        _refuse_unlike_fused_operands(g.graph)  # per-graph mode's optimizer step is one
         step_cache.drop_key(g.graph)
         graphs.annotate_phases(g.graph, inputs.kinds, default=Phase.FORWARD)
         upcast_bias_corrections(g.graph)

@@ -492,6 +492,40 @@ def test_optimizer_python_attribute_through_dynamo(fake_pg):
     _counting_run(compiled)
 
 
+def _warmup_step(model, opt, x, it):
+    for group in opt.param_groups:  # a hand-written warmup, inside the step
+        group["lr"] = 0.05 * min(1.0, (it + 1) / 3)
+    return step(model, opt, x)
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.AdamW(p, lr=0.05),
+                                      lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)],
+                         ids=["adamw", "sgd"])
+def test_a_step_that_writes_its_param_groups_leaves_capturable_alone(fake_pg, make_opt):
+    """Dynamo traces the optimizer with ``capturable=True`` in its copy of the param groups;
+    a step writing ``g["lr"]`` had that copy replayed onto the user's groups (an eager AdamW on
+    the CPU then refused to step; SGD gained the key). The groups keep their own value, the
+    written learning rate arrives, and the parameters match eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = make_opt(model.parameters()), make_opt(twin.parameters())
+    before = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    compiled = torch.compile(_warmup_step, backend="spmd",
+                             options={"inductor": False, "reduce_op": "sum"})
+    for it in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(it))
+        compiled(model, opt, x, it)
+        _warmup_step(twin, twin_opt, x, it)
+    after = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    assert after == {**before, "lr": 0.05}, after
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+    twin_opt.load_state_dict(opt.state_dict())  # the checkpoint resumes in eager
+    step(twin, twin_opt, torch.randn(4, 8))
+
+
 def test_lr_scheduler_bookkeeping_does_not_retrace(fake_pg, caplog):
     """An LR scheduler's ``_opt_called`` flag (set on the optimizer by the first step) is not
     a reason to retrace."""

@@ -266,3 +266,41 @@ def test_rollback_plan_keeps_small_snapshots_and_restores_the_latest():
     big[0].zero_()
     plan.restore(big, two)
     assert bool((big[0] == 1).all())
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_fused_state_left_in_another_dtype_is_refused_before_anything_runs(fake_pg, door):
+    """``model.double()`` after a fused AdamW created float32 state: torch's kernel raises only
+    after incrementing the step counts (eager's ``optimizer.step()`` leaves them so), and the
+    Dynamo door said nothing was written while they were. Both doors now refuse while compiling,
+    naming the state and its parameter, with nothing changed; the advice given then works."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    compiled = (spmd_backend.compile()(step) if door == "compile" else
+                torch.compile(step, backend="spmd", options={"inductor": False, "reduce_op": "sum"}))
+    for _ in range(2):
+        compiled(model, opt, torch.randn(8, 8))
+    model.double()
+    before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    x = torch.randn(8, 8, dtype=torch.float64)
+    with pytest.raises(Exception, match=r"exp_avgs\[0\] \(\w+\) is float32 on cpu but its "
+                                        r"parameter \(\w+\) is float64 on cpu") as info:
+        compiled(model, opt, x)
+    # Dynamo wraps an error raised while compiling in BackendCompilerFailed
+    assert isinstance(getattr(info.value, "inner_exception", info.value),
+                      spmd_backend.SpmdUsageError), repr(info.value)
+    after = (model.state_dict(), opt.state_dict())
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)
+    torch.testing.assert_close(after[1]["state"], before[1]["state"], rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())
+
+    opt.load_state_dict(opt.state_dict())  # the advice: the state follows the parameters
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.01, fused=True)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (a live state_dict shares tensors)
+    compiled(model, opt, x)
+    step(twin, twin_opt, x)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)

@@ -21,9 +21,9 @@ Patch = tuple[Any, str, Any]
 
 def fault_patches() -> list[Patch]:
     """The patches for every fault below."""
-    return [params_stay_graph_inputs(), optimizer_attribute_stores(),
-            grad_stores_through_inplace_results(), hooks_added_later_recompile(),
-            *fresh_constants_for_tensor_attributes()]
+    return [params_stay_graph_inputs(), capturable_stays_out_of_param_groups(),
+            optimizer_attribute_stores(), grad_stores_through_inplace_results(),
+            hooks_added_later_recompile(), *fresh_constants_for_tensor_attributes()]
 
 
 def hooks_added_later_recompile() -> Patch:
@@ -69,6 +69,37 @@ def params_stay_graph_inputs() -> Patch:
         return original(self, tx, name)
 
     return (OptimizerVariable, "var_getattr", var_getattr)
+
+
+def capturable_stays_out_of_param_groups() -> Patch:
+    """A step that writes a param group (``g["lr"] = warmup(it)``) leaves the group's
+    ``capturable`` as it was.
+
+    To trace an optimizer's step in its tensor form, Dynamo sets ``capturable`` to True in its
+    own copy of every param group (only the copy: the group itself just on GPUs, before any
+    state exists). A group the step writes is replayed after the call from that copy, so the
+    user's group came back with ``capturable=True`` (an ``SGD`` gained the key; plain
+    ``torch.compile`` too): an eager ``AdamW`` on the CPU then refused to step, and a
+    checkpoint saved it. The flag Dynamo sets counts here as the group's own entry, so the
+    replay writes only what the step wrote."""
+    from torch._dynamo.source import AttrSource
+    from torch._dynamo.variables import LazyVariableTracker, VariableTracker
+    from torch._dynamo.variables.optimizer import OptimizerVariable
+
+    original = OptimizerVariable._set_capturable
+
+    def _set_capturable(self: Any, tx: Any) -> None:
+        original(self, tx)
+        if self.source is None:
+            return
+        groups = LazyVariableTracker.realize_all(VariableTracker.build(
+            tx, self.value.param_groups, AttrSource(self.source, "param_groups")))
+        for group in groups.items:
+            for key, value in group.items.items():
+                if key.vt.is_python_constant() and key.vt.as_python_constant() == "capturable":
+                    group.original_items[key.vt] = value
+
+    return (OptimizerVariable, "_set_capturable", _set_capturable)
 
 
 def optimizer_attribute_stores() -> Patch:

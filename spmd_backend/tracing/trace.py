@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_backend.errors import SpmdTraceError, SpmdUsageError
+from spmd_backend.graph.fused_operands import MISMATCH_ADVICE, fused_operand_mismatch
 from spmd_backend.graph.ops import written_nodes
 from spmd_backend.graph.utils import lazy_graph_modules
 from spmd_backend.tracing.annotate import ModuleAnnotator, annotate_optimizer_fqns
@@ -160,6 +161,9 @@ def trace_train_step(
             f"of {type(binding.module).__name__} that requires grad"
         )
     names = finish_graph(gm, binding, layout)
+    unlike = fused_operand_mismatch(gm.graph)
+    if unlike is not None:
+        raise SpmdUsageError(f"spmd_backend.compile: {unlike.describe()}. {MISMATCH_ADVICE}")
     upcast_bias_corrections(gm.graph)
     _annotate_optimizer(gm, binding, layout)
     if recompile:
