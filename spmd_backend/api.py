@@ -360,15 +360,21 @@ class CompiledTrainStep:
 
     def _check_consistency(self, traced: TracedStep, mode: DataParallel) -> str:
         """Agree with the other ranks on the new graph's state inputs and collectives; returns
-        their digest. A graph whose digest is that of the graph this rank ran last needs no new
-        round: its peers run that schedule. So one rank may retrace alone (its last batch is
-        smaller, its padded length changed) while the others replay their graph, as with DDP;
-        before, it waited for peers that never post and failed after the timeout."""
+        their digest. A graph whose digest is that of the graph this rank ran last, or one every
+        rank already agreed on (in the step's schedule book), needs no new round: its peers
+        run, or replay, that schedule. So one rank may retrace alone (its last batch is smaller,
+        its padded length changed) while the others replay their graph, as with DDP; before,
+        it waited for peers that never post and failed after the timeout, and until 2026-11-28
+        it hung where its last graph was another schedule (a retrace on a stepping call of
+        gradient accumulation that alternates with non-stepping ones: its peers were already in
+        the per-call schedule check)."""
         lines = graph_signature(traced.gm.graph)  # the expanded graph: passes are deterministic
         digest = signature_digest(lines)
-        if self._last is not None and self._last.schedule == digest:
-            log.info("spmd_backend: %s's new graph has the state inputs and collectives of the "
-                     "one it replaces; no new agreement with the other ranks", self._name)
+        if (self._last is not None and self._last.schedule == digest) or \
+                digest in self._schedules.digests:
+            log.info("spmd_backend: %s's new graph has the state inputs and collectives of a "
+                     "graph every rank agreed on; no new agreement with the other ranks",
+                     self._name)
             return digest
         self._consistency_rounds += 1
         return check_consistency(

@@ -368,6 +368,27 @@ def test_python_counter_in_a_param_group_is_refused(fake_pg):
     assert opt.param_groups[0]["step"] == 1
 
 
+def test_a_warmup_written_in_the_step_is_refused_saying_where_to_write_it(fake_pg):
+    """A step that sets ``g["lr"]`` itself (a hand-written warmup) was refused as if the
+    optimizer kept a counter in its group; the message now names the step's own write and says
+    to set the group before the call, which the graph reads as an input."""
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def warmup_step(model, opt, batch, it):
+        for group in opt.param_groups:
+            group["lr"] = 0.01 * min(1.0, (it + 1) / 4)
+        return good_step(model, opt, batch)
+
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdUsageError, match=r"the train step sets param_groups\[0\]\['lr'\] "
+                                             r"\(0.01 -> 0.0025\) itself, outside AdamW.step\(\)"):
+        spmd_backend.compile()(warmup_step)(model, opt, torch.randn(2, 8), 0)
+    assert_untouched(before, model, opt)
+    assert opt.param_groups[0]["lr"] == 0.01
+
+
 class TensorCounterSGD(PythonCounterSGD):
     """The counter as a tensor in the param group, as timm's Lamb keeps it."""
 

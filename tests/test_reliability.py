@@ -7,6 +7,7 @@ Every multi-rank case asserts an error on *every* rank within a bounded time, ne
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -407,6 +408,50 @@ def test_a_rank_whose_batch_changes_alone_gets_its_own_graph(rank_pool, door):
     for r in (first, second):
         assert r["ddp_diff"] < 1e-5, r
         assert r["replica_diff"] < 1e-5, r
+
+
+def _accumulate(model, optim, batch, do_step):
+    """Gradient accumulation across calls: the optimizer steps on every second call."""
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    if do_step:
+        optim.step()
+        optim.zero_grad()
+    return loss
+
+
+def _lone_retrace_while_accumulating_job(rank: int, world: int) -> dict:
+    """Two cached graphs with different collectives (stepping and not), so every call first
+    checks that the ranks run the same one; rank 1's micro-batch shrinks on one stepping call.
+    It retraces alone and must not open a new cross-rank round (its peers are in the per-call
+    check): that hung until 2026-11-28. Against DDP with ``no_sync`` on the first micro-batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    ref = copy.deepcopy(model)
+    ddp = DDP(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    step = spmd_backend.compile(
+        parallel_mode=DataParallel(reduce_op="avg", consistency_timeout_s=20))(_accumulate)
+    gen = torch.Generator().manual_seed(rank)
+    for i in range(8):
+        batch = torch.randn(5 if rank == 1 and i == 5 else 8, 8, generator=gen)
+        do_step = i % 2 == 1
+        step(model, opt, batch, do_step)
+        with (ddp.no_sync() if not do_step else contextlib.nullcontext()):
+            _accumulate(ddp, ref_opt, batch, do_step)
+    return {"traces": step.trace_count,
+            "ddp_diff": max((p - q).abs().max().item()
+                            for p, q in zip(model.parameters(), ref.parameters()))}
+
+
+def test_a_rank_retracing_alone_between_two_agreed_schedules_does_not_hang(rank_pool):
+    first, second = rank_pool.run(_lone_retrace_while_accumulating_job, timeout=300)
+    assert second["traces"] == first["traces"] + 1, (first, second)  # its smaller batch's graph
+    for r in (first, second):
+        assert r["ddp_diff"] < 1e-6, r
 
 
 # ----------------------------------------------------------------------------- faults

@@ -102,6 +102,17 @@ def _refuse_group_updates(opt: torch.optim.Optimizer, saved_groups: list[dict]) 
             was = "absent" if before is _MISSING else repr(before)[:60]
             now = "removed" if after is _MISSING else (
                 "a tensor" if isinstance(after, torch.Tensor) else repr(after)[:60])
+            if k in group.written_outside:
+                raise SpmdUsageError(
+                    f"spmd_backend.compile: the train step sets param_groups[{g}][{k!r}] "
+                    f"({was} -> {now}) itself, outside {type(opt).__name__}.step() (a warmup "
+                    "written inside the step); a compiled graph replays tensor operations, not "
+                    "Python writes to the optimizer, so the group would keep the value the "
+                    f"trace saw. Set it before calling the compiled step (for g in "
+                    f"opt.param_groups: g[{k!r}] = ...: the graph reads the group's value as an "
+                    "input, without retracing), or step an LR scheduler after the call. "
+                    "Nothing was changed."
+                )
             # a tensor counter in the group (timm's Lamb): Dynamo guards on the group and
             # carries the tensor, so the other door runs it
             dynamo = (', or torch.compile(step, backend="spmd"), which runs it'
@@ -169,7 +180,8 @@ def optimizer_swapped(
             if "foreach" in swapped:
                 swapped["foreach"] = impl == "foreach"
             opt.param_groups[g] = RecordingGroup(
-                swapped, lambda k, _g=g: recorder.read_group_key(_g, k)
+                swapped, lambda k, _g=g: recorder.read_group_key(_g, k),
+                in_step=lambda: ctx.in_optimizer,
             )
         opt.state = new_state
         yield new_state

@@ -194,36 +194,46 @@ def _key_of(k: Any) -> tuple[str, Any]:
 class RecordingGroup(dict):
     """An optimizer param group that reports which keys the step reads (see :class:`ReadRecorder`)
     and remembers which it writes (:attr:`written`: a Python update of the group, which no graph
-    can replay)."""
+    can replay), and which of those it writes outside ``optimizer.step()`` (:attr:`written_outside`:
+    the step function's own code, a warmup setting ``lr``; ``in_step`` says where a write is)."""
 
-    __slots__ = ("_report", "written")
+    __slots__ = ("_in_step", "_report", "written", "written_outside")
 
-    def __init__(self, items: Any, report: Callable[[str], None]) -> None:
+    def __init__(self, items: Any, report: Callable[[str], None],
+                 in_step: Callable[[], bool] = lambda: True) -> None:
         super().__init__(items)
         self._report = report
+        self._in_step = in_step
         self.written: set[Any] = set()
+        self.written_outside: set[Any] = set()
+
+    def _wrote(self, key: Any) -> None:
+        self.written.add(key)
+        if not self._in_step():
+            self.written_outside.add(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self.written.add(key)
+        self._wrote(key)
         super().__setitem__(key, value)
 
     def __delitem__(self, key: Any) -> None:
-        self.written.add(key)
+        self._wrote(key)
         super().__delitem__(key)
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
         self._report(key)
         if key not in self:
-            self.written.add(key)
+            self._wrote(key)
         return super().setdefault(key, default)
 
     def pop(self, key: Any, *default: Any) -> Any:
-        self.written.add(key)
+        self._wrote(key)
         return super().pop(key, *default)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         new = dict(*args, **kwargs)
-        self.written.update(new)
+        for key in new:
+            self._wrote(key)
         super().update(new)
 
     def __getitem__(self, key: Any) -> Any:
