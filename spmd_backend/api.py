@@ -44,7 +44,7 @@ from spmd_backend.parallel.consistency import (
 )
 from spmd_backend.parallel.data_parallel import DataParallel, ExpansionReport
 from spmd_backend.parallel.replicas import refuse_rank_local_writes
-from spmd_backend.parallel.schedule_check import ScheduleBook
+from spmd_backend.parallel.schedule_check import ScheduleBook, agree_on_schedule
 from spmd_backend.parallel.sharded_state import prepare_sharding
 from spmd_backend.runtime import (
     RollbackPlan,
@@ -262,7 +262,7 @@ class CompiledTrainStep:
         emit_graph_artifact(f"spmd_step_{self._step_id}_trace_{self.trace_count}", gm.graph)
         schedule = ""
         if mode.check_consistency:  # before any collective, the initial broadcast included
-            schedule = self._check_consistency(traced, mode)
+            schedule = self._check_consistency(traced, mode, binding)
         # the graph check above covered the state inputs: no second round through the store
         pipeline.sync([*binding.params, *binding.buffers], self._config, verify=False)
         bootstrap = traced.layout.creates_state
@@ -358,7 +358,8 @@ class CompiledTrainStep:
             log_plan(rollback, self._name, traced.layout.gather(binding))
         return rollback
 
-    def _check_consistency(self, traced: TracedStep, mode: DataParallel) -> str:
+    def _check_consistency(self, traced: TracedStep, mode: DataParallel,
+                           binding: StepBinding) -> str:
         """Agree with the other ranks on the new graph's state inputs and collectives; returns
         their digest. A graph whose digest is that of the graph this rank ran last, or one every
         rank already agreed on (in the step's schedule book), needs no new round: its peers
@@ -367,7 +368,9 @@ class CompiledTrainStep:
         it waited for peers that never post and failed after the timeout, and until 2026-11-28
         it hung where its last graph was another schedule (a retrace on a stepping call of
         gradient accumulation that alternates with non-stepping ones: its peers were already in
-        the per-call schedule check)."""
+        the per-call schedule check). A new digest, once calls are checked per call, first
+        joins that check: peers replaying an agreed graph then fail with this rank at once,
+        and peers that traced the same new graph pass it and join the round."""
         lines = graph_signature(traced.gm.graph)  # the expanded graph: passes are deterministic
         digest = signature_digest(lines)
         if (self._last is not None and self._last.schedule == digest) or \
@@ -376,6 +379,11 @@ class CompiledTrainStep:
                      "graph every rank agreed on; no new agreement with the other ranks",
                      self._name)
             return digest
+        if len(self._schedules.digests) > 1:
+            agree_on_schedule(
+                digest, mode.process_group(), what=self._name,
+                hint=" This rank traced a new graph at this call.",
+                device=binding.params[0].device if binding.params else torch.device("cpu"))
         self._consistency_rounds += 1
         return check_consistency(
             lines, self._round_key(self._consistency_rounds), mode.process_group(),

@@ -454,6 +454,43 @@ def test_a_rank_retracing_alone_between_two_agreed_schedules_does_not_hang(rank_
         assert r["ddp_diff"] < 1e-6, r
 
 
+class _ThreePaths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x, path):
+        if path == 2:
+            return self.c(self.b(x))
+        h = self.a(x)
+        return self.c(self.b(h) if path == 0 else h)
+
+
+def _path_step(model, optim, batch, path):
+    return _step(lambda x: model(x, path), optim, batch)
+
+
+def _diverging_retrace_job(rank: int, world: int) -> str:
+    """Two agreed paths (per-call checks on); then rank 0 retraces alone into the first with a
+    smaller batch while rank 1 takes a third path. Both must fail at once naming the different
+    collectives (rank 0 skips the round its peers run: they first meet in the per-call check)."""
+    torch.manual_seed(0)
+    model = _ThreePaths()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_backend.compile(parallel_mode=DataParallel(consistency_timeout_s=20))(_path_step)
+    step(model, opt, torch.randn(8, 8), 0)
+    step(model, opt, torch.randn(8, 8), 1)
+    t0 = time.monotonic()
+    with pytest.raises(SpmdDistributedError, match="different collectives"):
+        step(model, opt, *((torch.randn(5, 8), 0) if rank == 0 else (torch.randn(8, 8), 2)))
+    return time.monotonic() - t0
+
+
+def test_ranks_diverging_while_one_retraces_alone_fail_at_once(rank_pool):
+    for seconds in rank_pool.run(_diverging_retrace_job, timeout=120):
+        assert seconds < 10, seconds  # not the 20 s store timeout
+
+
 # ----------------------------------------------------------------------------- faults
 def _failing_rank_job(rank: int, world: int) -> str:
     model = MLP(8, 16, 2, 4)
