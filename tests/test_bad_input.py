@@ -389,6 +389,26 @@ def test_a_warmup_written_in_the_step_is_refused_saying_where_to_write_it(fake_p
     assert opt.param_groups[0]["lr"] == 0.01
 
 
+class CountingAdam(torch.optim.Adam):
+    """A subclass keeping a Python counter in its group, written after ``super().step()``:
+    torch's step hooks then run nested (both ``step`` methods carry them)."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for group in self.param_groups:
+            group["k"] = group.get("k", 0) + 1
+        return out
+
+
+def test_a_subclass_counter_written_after_super_step_is_the_optimizers(fake_pg):
+    torch.optim.Adam(nn.Linear(1, 1).parameters())  # torch hooks Adam.step on first use
+    model = MLP(8, 16, 2, 4)
+    opt = CountingAdam(model.parameters(), lr=0.01)
+    with pytest.raises(SpmdUsageError, match=r"CountingAdam.step\(\) changes "
+                                             r"param_groups\[0\]\['k'\]"):
+        spmd_backend.compile()(good_step)(model, opt, torch.randn(2, 8))
+
+
 class TensorCounterSGD(PythonCounterSGD):
     """The counter as a tensor in the param group, as timm's Lamb keeps it."""
 

@@ -495,23 +495,29 @@ def test_optimizer_python_attribute_through_dynamo(fake_pg):
 def _warmup_step(model, opt, x, it):
     for group in opt.param_groups:  # a hand-written warmup, inside the step
         group["lr"] = 0.05 * min(1.0, (it + 1) / 3)
+        group.pop("initial_lr", None)  # a removal makes Dynamo rebuild the whole group
     return step(model, opt, x)
 
 
 @pytest.mark.parametrize("make_opt", [lambda p: torch.optim.AdamW(p, lr=0.05),
                                       lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)],
                          ids=["adamw", "sgd"])
-def test_a_step_that_writes_its_param_groups_leaves_capturable_alone(fake_pg, make_opt):
+@pytest.mark.parametrize("pop", [False, True], ids=["update", "rebuild"])
+def test_a_step_that_writes_its_param_groups_leaves_capturable_alone(fake_pg, make_opt, pop):
     """Dynamo traces the optimizer with ``capturable=True`` in its copy of the param groups;
     a step writing ``g["lr"]`` had that copy replayed onto the user's groups (an eager AdamW on
-    the CPU then refused to step; SGD gained the key). The groups keep their own value, the
-    written learning rate arrives, and the parameters match eager's."""
+    the CPU then refused to step; SGD gained the key), and so did one removing a key (Dynamo
+    then rebuilds the group). The groups keep their own value, the step's writes arrive, and the
+    parameters match eager's."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Linear(8, 2)
     twin = copy.deepcopy(model)
     opt, twin_opt = make_opt(model.parameters()), make_opt(twin.parameters())
     before = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    if pop:
+        for o in (opt, twin_opt):
+            o.param_groups[0]["initial_lr"] = 0.05
     compiled = torch.compile(_warmup_step, backend="spmd",
                              options={"inductor": False, "reduce_op": "sum"})
     for it in range(4):

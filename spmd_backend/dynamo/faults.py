@@ -21,7 +21,7 @@ Patch = tuple[Any, str, Any]
 
 def fault_patches() -> list[Patch]:
     """The patches for every fault below."""
-    return [params_stay_graph_inputs(), capturable_stays_out_of_param_groups(),
+    return [params_stay_graph_inputs(), *capturable_stays_out_of_param_groups(),
             optimizer_attribute_stores(), grad_stores_through_inplace_results(),
             hooks_added_later_recompile(), *fresh_constants_for_tensor_attributes()]
 
@@ -71,7 +71,7 @@ def params_stay_graph_inputs() -> Patch:
     return (OptimizerVariable, "var_getattr", var_getattr)
 
 
-def capturable_stays_out_of_param_groups() -> Patch:
+def capturable_stays_out_of_param_groups() -> list[Patch]:
     """A step that writes a param group (``g["lr"] = warmup(it)``) leaves the group's
     ``capturable`` as it was.
 
@@ -80,16 +80,20 @@ def capturable_stays_out_of_param_groups() -> Patch:
     state exists). A group the step writes is replayed after the call from that copy, so the
     user's group came back with ``capturable=True`` (an ``SGD`` gained the key; plain
     ``torch.compile`` too): an eager ``AdamW`` on the CPU then refused to step, and a
-    checkpoint saved it. The flag Dynamo sets counts here as the group's own entry, so the
-    replay writes only what the step wrote."""
+    checkpoint saved it. Each copy remembers the entry it had; when the side effects are
+    written out (the trace is over), an entry the step did not write itself goes back to that
+    (or away), so the replay writes only what the step wrote, whether Dynamo updates the group
+    or rebuilds it (a ``pop`` in the step)."""
+    from torch._dynamo.side_effects import SideEffects
     from torch._dynamo.source import AttrSource
     from torch._dynamo.variables import LazyVariableTracker, VariableTracker
     from torch._dynamo.variables.optimizer import OptimizerVariable
 
-    original = OptimizerVariable._set_capturable
+    original_set = OptimizerVariable._set_capturable
+    original_codegen = SideEffects.codegen_update_mutated
 
     def _set_capturable(self: Any, tx: Any) -> None:
-        original(self, tx)
+        original_set(self, tx)
         if self.source is None:
             return
         groups = LazyVariableTracker.realize_all(VariableTracker.build(
@@ -97,9 +101,24 @@ def capturable_stays_out_of_param_groups() -> Patch:
         for group in groups.items:
             for key, value in group.items.items():
                 if key.vt.is_python_constant() and key.vt.as_python_constant() == "capturable":
-                    group.original_items[key.vt] = value
+                    group._spmd_capturable = (key, group.original_items.get(key.vt), value)
 
-    return (OptimizerVariable, "_set_capturable", _set_capturable)
+    def codegen_update_mutated(self: Any, cg: Any, *args: Any, **kwargs: Any) -> Any:
+        for var in self._get_modified_vars():
+            entry = getattr(var, "_spmd_capturable", None)
+            if entry is None:
+                continue
+            key, before, ours = entry
+            if var.items.get(key) is not ours:  # the step wrote capturable itself
+                continue
+            if before is None:
+                del var.items[key]
+            else:
+                var.items[key] = before
+        return original_codegen(self, cg, *args, **kwargs)
+
+    return [(OptimizerVariable, "_set_capturable", _set_capturable),
+            (SideEffects, "codegen_update_mutated", codegen_update_mutated)]
 
 
 def optimizer_attribute_stores() -> Patch:

@@ -151,14 +151,19 @@ def optimizer_swapped(
         recorder.compared_with_zero,
     )
     in_step = contextlib.ExitStack()
+    #: step() calls under way: a subclass's step() calling super().step() runs the hooks twice,
+    #: nested, and the inner post-hook must not end the outer step
+    depth = [0]
 
     def pre_hook(*_: object) -> None:
+        depth[0] += 1
         ctx.in_optimizer = True
         in_step.enter_context(zero_tests)
         if sharded is not None:
             sharded.enter(opt)
 
     def post_hook(*_: object) -> None:
+        depth[0] = max(depth[0] - 1, 0)
         if sharded is not None:
             sharded.exit(opt)
         in_step.close()
@@ -181,7 +186,7 @@ def optimizer_swapped(
                 swapped["foreach"] = impl == "foreach"
             opt.param_groups[g] = RecordingGroup(
                 swapped, lambda k, _g=g: recorder.read_group_key(_g, k),
-                in_step=lambda: ctx.in_optimizer,
+                in_step=lambda: depth[0] > 0,
             )
         opt.state = new_state
         yield new_state
