@@ -208,6 +208,30 @@ def test_float_lr_past_the_recompile_limit_raises_before_the_call_runs(rank_pool
         assert changed == [], changed
 
 
+def test_sgd_with_a_tensor_lr_follows_a_per_step_schedule(fake_pg):
+    """The fix the refusal above names: SGD created with ``lr=torch.tensor(...)`` under a
+    schedule that changes the lr every call (CosineAnnealingLR fills the tensor) runs past the
+    recompile limit and matches eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=torch.tensor(0.1), momentum=0.9)
+            for m in (model, twin)]
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, 10) for o in opts]
+    compiled = torch.compile(train_step, backend="spmd",
+                             options={"inductor": False, "reduce_op": "sum"})
+    with torch._dynamo.config.patch(recompile_limit=4):
+        for i in range(8):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            compiled(model, opts[0], x)
+            train_step(twin, opts[1], x)
+            for s in scheds:
+                s.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 def test_activation_checkpointing(rank_pool):
     rank_pool.run(_checkpointed_job)
 
