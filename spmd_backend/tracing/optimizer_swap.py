@@ -103,8 +103,14 @@ def _refuse_group_updates(opt: torch.optim.Optimizer, saved_groups: list[dict]) 
             now = "removed" if after is _MISSING else (
                 "a tensor" if isinstance(after, torch.Tensor) else repr(after)[:60])
             if k in group.written_outside:
+                from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+                # ours is one of the instance's; a hook of the user's runs before it
+                hooks = (" (or a step pre-hook of the optimizer's)"
+                         if len(opt._optimizer_step_pre_hooks) > 1 or _global_optimizer_pre_hooks
+                         else "")
                 raise SpmdUsageError(
-                    f"spmd_backend.compile: the train step sets param_groups[{g}][{k!r}] "
+                    f"spmd_backend.compile: the train step{hooks} sets param_groups[{g}][{k!r}] "
                     f"({was} -> {now}) itself, outside {type(opt).__name__}.step() (a warmup "
                     "written inside the step); a compiled graph replays tensor operations, not "
                     "Python writes to the optimizer, so the group would keep the value the "
