@@ -73,6 +73,11 @@ DEFAULT_MAX_GRAPHS = 8
 __all__ = ["compile", "CompiledTrainStep", "DataParallel", "Override"]
 
 
+def _device(binding: StepBinding) -> torch.device:
+    """Where the step's parameters live (the schedule checks' device without a CPU channel)."""
+    return binding.params[0].device if binding.params else torch.device("cpu")
+
+
 class CompiledTrainStep:
     """The callable ``spmd_backend.compile`` returns; see the module docstring."""
 
@@ -383,7 +388,7 @@ class CompiledTrainStep:
             agree_on_schedule(
                 digest, mode.process_group(), what=self._name,
                 hint=" This rank traced a new graph at this call.",
-                device=binding.params[0].device if binding.params else torch.device("cpu"))
+                device=_device(binding))
         self._consistency_rounds += 1
         return check_consistency(
             lines, self._round_key(self._consistency_rounds), mode.process_group(),
@@ -413,8 +418,7 @@ class CompiledTrainStep:
                 )
         self._schedules.check(
             entry.schedule, self.parallel_mode.process_group(),
-            binding.params[0].device if binding.params else torch.device("cpu"),
-            what=self._name,
+            _device(binding), what=self._name,
             hint=f" This rank's graph is the one traced when: {entry.reason or 'first call'}.",
         )
         outs = run_step(

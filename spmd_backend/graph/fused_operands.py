@@ -45,20 +45,13 @@ def _kind(value: torch.Tensor) -> str:
     return f"{str(value.dtype).removeprefix('torch.')} on {value.device}"
 
 
-def _list_names(node: fx.Node) -> list[tuple[str, list]]:
-    schema = getattr(node.target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    return [(names[i] if i < len(names) else f"argument {i}", list(a))
-            for i, a in enumerate(node.args) if isinstance(a, (list, tuple))]
-
-
 def fused_operand_mismatch(graph: fx.Graph) -> FusedOperandMismatch | None:
     """The first operand of a fused optimizer kernel in ``graph`` whose dtype or device is not
     its parameter's, or None."""
     for node in graph.nodes:
         if not ops.is_fused_optimizer_kernel(node):
             continue
-        lists = _list_names(node)
+        lists = ops.list_arguments(node)
         if not lists:
             continue
         params = lists[0][1]

@@ -118,12 +118,7 @@ def _check_in_flight_writes(graph: fx.Graph, where: str) -> None:
 def _step_list_positions(node: fx.Node) -> set[int]:
     """Positions, among a fused kernel's list arguments, of its step counts (``state_steps``:
     one scalar per parameter, whatever the parameter's shape)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return set()
-    names = [a.name for a in schema.arguments]
-    lists = [i for i, a in enumerate(node.args) if isinstance(a, (list, tuple))]
-    return {k for k, i in enumerate(lists) if i < len(names) and names[i] == "state_steps"}
+    return {k for k, (name, _) in enumerate(ops.list_arguments(node)) if name == "state_steps"}
 
 
 def _check_fused_shapes(node: fx.Node, where: str) -> None:

@@ -126,6 +126,16 @@ def is_foreach(node: fx.Node) -> bool:
     return node.target.namespace == "aten" and node.target.__name__.startswith("_foreach_")
 
 
+def list_arguments(node: fx.Node) -> list[tuple[str, list]]:
+    """``(schema name, list)`` for every positional list argument of ``node`` (a foreach or
+    fused optimizer op: ``params``, ``grads``, ``state_steps``, ...); a list past the schema is
+    named ``argument <position>``."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    return [(names[i] if i < len(names) else f"argument {i}", list(a))
+            for i, a in enumerate(node.args) if isinstance(a, (list, tuple))]
+
+
 def op_name(node: fx.Node) -> str:
     """The overload packet name of a call (``"_fused_adam_"``, ``"_foreach_add"``), else ""."""
     target = node.target

@@ -200,7 +200,7 @@ class RecordingGroup(dict):
     __slots__ = ("_in_step", "_report", "written", "written_outside")
 
     def __init__(self, items: Any, report: Callable[[str], None],
-                 in_step: Callable[[], bool] = lambda: True) -> None:
+                 in_step: Callable[[], bool]) -> None:
         super().__init__(items)
         self._report = report
         self._in_step = in_step
