@@ -38,6 +38,7 @@ from torch._dynamo.utils import counters
 
 from spmd_backend import pipeline
 from spmd_backend.dynamo import audit, graphs, per_graph, scope, step_cache
+from spmd_backend.dynamo.float_inputs import tensorify_float_inputs
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.fused_operands import MISMATCH_ADVICE, fused_operand_mismatch
@@ -206,10 +207,11 @@ def _warn_on_recompiles(gm: fx.GraphModule) -> None:
     counters["spmd"]["recompile_warned"] += 1
     log.warning(
         'backend="spmd": Dynamo compiled this step %d times. It bakes Python numbers that change '
-        "between calls (a scheduler's float lr) into each graph; create the optimizer with "
-        "lr=torch.tensor(...) (single-tensor or fused implementation) or use spmd_backend.compile, "
-        "which makes hyper-parameters graph inputs. At torch._dynamo.config.recompile_limit "
-        "Dynamo would run the step eagerly, unsynchronized: the call is refused before it runs",
+        "between calls into each graph where it cannot keep them inputs (a fused optimizer's "
+        "momentum or betas a scheduler moves, a number passed where an op needs a constant; "
+        "TORCH_LOGS=recompiles names it); spmd_backend.compile makes an optimizer's "
+        "hyper-parameters graph inputs. At torch._dynamo.config.recompile_limit Dynamo would run "
+        "the step eagerly, unsynchronized: the call is refused before it runs",
         compile_id.frame_compile_id + 1,
     )
 
@@ -232,6 +234,7 @@ def spmd_dynamo_backend(
     config.parallel.process_group()  # raises on every rank without a process group
     scope.raise_refusal()  # an optimizer that shard_optimizer cannot serve
     _refuse_compiled_autograd(gm)
+    tensorify_float_inputs(gm)  # a scheduler's float stays an input: no recompile per value
     inputs = graphs.classify_inputs(gm)
     pipeline.sync(inputs.state_tensors(), config, inputs.state_names())  # verified, then broadcast
     hooked = {i: p for i, p in inputs.params.items() if p.requires_grad}

@@ -53,6 +53,22 @@ def test_whole_step_capture_matches_ddp(rank_pool, model, optim):
     assert result.losses[0] != result.losses[-1]
 
 
+@pytest.mark.parametrize(
+    "optim",
+    [OptimSpec("sgd", "single", lr=0.05, momentum=0.9, scheduler=True),
+     OptimSpec("adamw", "fused", lr=1e-3, weight_decay=0.01, scheduler=True)],
+    ids=lambda o: o.label(),
+)
+def test_a_per_step_schedule_keeps_one_graph_and_matches_ddp(rank_pool, optim):
+    """A scheduler changing a float lr every step, for more steps than Dynamo's recompile limit
+    (8): the lr stays a graph input (dynamo/float_inputs.py), two compiles in all. Until
+    2026-11-28 SGD's ``alpha=-lr`` and the fused kernel's ``lr`` made Dynamo bake each value
+    into a new graph and the 9th call was refused."""
+    result = rank_pool.run(check_ddp_parity, _dynamo("mlp", optim, steps=10))[0]
+    assert result.dynamo["whole_step_graphs"] == 2, result.dynamo
+    assert result.dynamo["graph_breaks"] == 0, result.dynamo
+
+
 @pytest.mark.parametrize("model", ["mlp", "hf_gpt2"])
 def test_zero_grad_before_the_forward_matches_ddp(rank_pool, model):
     """``optim.zero_grad()`` first, as most training loops write it. Reading
@@ -166,22 +182,24 @@ def _tensor_lr_job(rank: int, world: int) -> None:
     assert counters["spmd"]["whole_step_graphs"] == 2, dict(counters["spmd"])  # + ragged batch
 
 
-def _float_lr_job(rank: int, world: int) -> tuple[str, list[str]]:
-    """A float lr changed every step: Dynamo recompiles each time and, past its recompile limit,
-    would run the step eagerly, unsynchronized. Until 2026-11-26 the gradient audit raised in
-    the eager backward, after the forward had updated BatchNorm's statistics and a gradient had
-    been accumulated; now the call is refused before it runs. Returns the message and what the
+def _float_momentum_job(rank: int, world: int) -> tuple[str, list[str]]:
+    """A fused SGD's momentum changed every step (the kernel takes it as a Python float, so
+    Dynamo bakes each value into a graph): Dynamo recompiles each time and, past its recompile
+    limit, would run the step eagerly, unsynchronized. Until 2026-11-26 the gradient audit
+    raised in the eager backward, after the forward had updated BatchNorm's statistics and a
+    gradient had been accumulated; now the call is refused before it runs. (Until 2026-11-28 a
+    plain float lr did this too: tests/test_float_inputs.py.) Returns the message and what the
     failed call changed."""
     import spmd_backend
 
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
 
     compiled = torch.compile(train_step, backend="spmd", options=FAST)
     with torch._dynamo.config.patch(recompile_limit=2):
         for i in range(5):
-            opt.param_groups[0]["lr"] = 0.1 / (i + 1)
+            opt.param_groups[0]["momentum"] = 0.9 - 0.05 * i
             before = {**{f"state {k}": v.clone() for k, v in model.state_dict().items()},
                       **{f"grad {n}": p.grad.clone() for n, p in model.named_parameters()
                          if p.grad is not None},
@@ -201,17 +219,17 @@ def _float_lr_job(rank: int, world: int) -> tuple[str, list[str]]:
     return "trained", []
 
 
-def test_float_lr_past_the_recompile_limit_raises_before_the_call_runs(rank_pool):
-    for message, changed in rank_pool.run(_float_lr_job):
+def test_a_baked_float_past_the_recompile_limit_raises_before_the_call_runs(rank_pool):
+    for message, changed in rank_pool.run(_float_momentum_job):
         assert "up to its recompile_limit (2)" in message and "refused before it runs." in message, message
-        assert "lr=torch.tensor(" in message, message
+        assert "cycle_momentum=False" in message, message
         assert changed == [], changed
 
 
 def test_sgd_with_a_tensor_lr_follows_a_per_step_schedule(fake_pg):
-    """The fix the refusal above names: SGD created with ``lr=torch.tensor(...)`` under a
+    """SGD created with ``lr=torch.tensor(...)`` (torch's advice for compiled optimizers) under a
     schedule that changes the lr every call (CosineAnnealingLR fills the tensor) runs past the
-    recompile limit and matches eager."""
+    recompile limit and matches eager, as a float lr does (tests/test_float_inputs.py)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Linear(8, 2)

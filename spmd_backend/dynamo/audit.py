@@ -340,10 +340,11 @@ def refuse_eager_fallback(values: Iterable[object], code: Any, limit: str, limit
         f"{fqns[0]!r}) would not be synchronized across ranks; it is refused before it "
         f"runs{before}. "
         "Dynamo's warning above gives the last reason (TORCH_LOGS=recompiles: all of them); "
-        "typical causes: a float lr a scheduler changes every step, as SGD uses it (create the "
-        "optimizer with lr=torch.tensor(...), or use spmd_backend.compile), betas or momentum "
-        "a scheduler moves (OneCycleLR: cycle_momentum=False), a Python number that changes "
-        "per call; or raise torch._dynamo.config.recompile_limit"
+        "typical causes: momentum or betas a scheduler moves on a fused optimizer, whose "
+        "kernel takes them as Python numbers (OneCycleLR: cycle_momentum=False, or the "
+        "default implementation; a scheduler's lr stays a graph input), a Python number that "
+        "changes per call where an op needs a constant (spmd_backend.compile lifts an "
+        "optimizer's hyper-parameters as inputs); or raise torch._dynamo.config.recompile_limit"
     )
 
 

@@ -224,26 +224,13 @@ def refuse_data_and_gradient_mutation(gm: fx.GraphModule, inputs: DynamoInputs) 
         )
 
 
-def _lr_tensor(graph: fx.Graph, lr: fx.Node, params: Any) -> fx.Node:
-    """``lr`` as the tensor the ``tensor_lr`` kernels take. A float ``lr`` that changed between
-    calls (any LR scheduler) is made dynamic by Dynamo on its recompile: a SymFloat node, which
-    the kernel refused ("Expected a value of type 'Tensor' for argument 'lr'": the second call
-    of a fused optimizer under a scheduler failed). It becomes a float64 scalar tensor on the
-    parameters' device, as torch's fused path does with a tensor lr."""
-    example = lr.meta.get("example_value")
-    if example is None or isinstance(example, torch.Tensor):
-        return lr
-    first = params[0] if isinstance(params, (list, tuple)) and params else None
-    value = first.meta.get("example_value") if isinstance(first, fx.Node) else None
-    device = value.device if isinstance(value, torch.Tensor) else None
-    return graph.call_function(torch.scalar_tensor, (lr,), {"dtype": torch.float64, "device": device})
-
-
 def functionalize_fused_optimizers(gm: fx.GraphModule) -> int:
     """``torch._fused_adam_(params, grads, ...)`` (and AdamW's, SGD's, Adagrad's) as the
     functional aten kernel plus ``copy_`` into each list it mutates: AOTAutograd cannot
     functionalize the in-place kernel (an empty ``max_exp_avg_sqs`` list fails), and the
-    pipeline's lowering decomposes the functional one. Returns the number of kernels rewritten."""
+    pipeline's lowering decomposes the functional one. A dynamic lr (a scheduler's float) is a
+    tensor here already (the scope's ``_fused_lr_as_tensor``). Returns the number of kernels
+    rewritten."""
     import spmd_backend.tracing.fused_optim  # noqa: F401 - meta kernels of the functional ops
 
     by_name = {(op._opname, op._overloadname): op for op in ops.FUSED_INPLACE_TO_FUNCTIONAL}
@@ -260,8 +247,6 @@ def functionalize_fused_optimizers(gm: fx.GraphModule) -> int:
             continue
         functional, mutated = ops.FUSED_INPLACE_TO_FUNCTIONAL[overload]
         with graph.inserting_before(node):
-            if lr_kind == "tensor_lr":
-                kwargs["lr"] = _lr_tensor(graph, kwargs["lr"], node.args[0])
             out = graph.call_function(functional, node.args, kwargs)
             for i in range(mutated):
                 results = graph.call_function(operator.getitem, (out, i))

@@ -27,7 +27,9 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
   store on a parameter rebound by an in-place operator (``p -= lr * p.grad; p.grad = None``,
   which torch 2.13 drops too);
 * traces the fused optimizers (``_fused_adam``...) Dynamo otherwise skips, and
-  ``GradScaler.scale`` (a scaled backward per micro-batch inside a loop);
+  ``GradScaler.scale`` (a scaled backward per micro-batch inside a loop), handing a fused
+  kernel a dynamic ``lr`` (a scheduler's float) as a tensor so it stays a graph input
+  (:mod:`spmd_backend.dynamo.float_inputs` does the same for the other uses);
 * creates a fresh optimizer's state before the frame is traced
   (:mod:`spmd_backend.dynamo.fresh_state`), so a step compiles once instead of twice.
 * with ``options={"shard_optimizer": True}``: shards the state of the frame's optimizers before
@@ -255,6 +257,35 @@ def _init_group_traced() -> Patch:
     return (OptimizerVariable, "call_method", call_method)
 
 
+def _fused_lr_as_tensor() -> Patch:
+    """A fused kernel's ``lr`` that Dynamo made dynamic (a scheduler's float) as a 0-dim
+    tensor, float64 on the CPU and float32 elsewhere (what the kernels read; the compile door
+    lifts it the same way, tracing/hyperparams.py). The kernel's ``float lr`` argument made
+    Dynamo specialize the value: a new graph per value. :mod:`spmd_backend.dynamo.float_inputs`
+    then keeps the tensor a graph input."""
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.variables.tensor import SymNodeVariable
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    kernels = {torch._fused_adam_, torch._fused_adamw_, torch._fused_sgd_, torch._fused_adagrad_}
+    original = TorchInGraphFunctionVariable.call_function
+
+    def call_function(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        lr = kwargs.get("lr")
+        if self.value in kernels and isinstance(lr, SymNodeVariable) and lr.python_type() is float:
+            params = getattr(args[0], "items", None) if args else None
+            device = getattr(params[0], "device", None) if params else None
+            dtype = torch.float64 if device is None or device.type == "cpu" else torch.float32
+            options = {"dtype": VariableTracker.build(tx, dtype)}
+            if device is not None:
+                options["device"] = VariableTracker.build(tx, device)
+            tensor = VariableTracker.build(tx, torch.scalar_tensor).call_function(tx, [lr], options)
+            kwargs = {**kwargs, "lr": tensor}
+        return original(self, tx, args, kwargs)
+
+    return (TorchInGraphFunctionVariable, "call_function", call_function)
+
+
 def _return_loss_detached() -> Patch:
     """``return loss`` after ``loss.backward()``: return it detached, not restart the frame."""
     from torch._dynamo.output_graph import OutputGraph, collect_reachable_grad_fns
@@ -338,7 +369,7 @@ def _patches() -> list[Patch]:
     traceable = _optimizer_functions()
     return [
         _inline_disabled(traceable), _skipped_calls(traceable), _init_group_traced(),
-        _return_loss_detached(), _backward_of_upstream_loss(), _grad_scaler_scale_traced(),
+        _fused_lr_as_tensor(), _return_loss_detached(), _backward_of_upstream_loss(), _grad_scaler_scale_traced(),
         *faults.fault_patches(),
     ]
 

@@ -1,0 +1,127 @@
+"""A float Dynamo made dynamic (a scheduler's lr, momentum, betas) stays a graph input through
+``backend="spmd"`` (spmd_backend/dynamo/float_inputs.py and the scope's fused-lr patch).
+
+Until 2026-11-28 a per-call schedule on SGD (single-tensor, foreach or fused), on foreach or fused
+Adam/AdamW, RMSprop, Adadelta, foreach Adamax/NAdam/RAdam/ASGD, or OneCycleLR's moving momentum
+or betas, compiled a new graph on every call and was refused at Dynamo's recompile limit. Here
+each runs past that limit in two compiles (the first call bakes the initial value, the second
+makes it dynamic) and matches eager.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+
+from spmd_backend.dynamo.float_inputs import tensorify_float_inputs
+from spmd_backend.testing.steps import train_step
+
+
+def _dynamic_graph(fn, *calls):
+    """Dynamo's graph of ``fn`` after its float argument changed (the dynamic recompile)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=capture)
+    for args in calls:
+        compiled(*args)
+    return graphs[-1]
+
+
+def _uses(gm, node_name: str) -> list[str]:
+    node = next(n for n in gm.graph.nodes if n.name == node_name)
+    return sorted(str(u.target) for u in node.users)
+
+
+def test_pass_rewrites_scalar_uses_and_keeps_the_results():
+    def fn(x, s):
+        y = x * 2
+        y.mul_(s)
+        z = y.add(x, alpha=s)
+        w = torch._foreach_mul([x, y], s)
+        return z.clamp(max=s), w[0] + w[1], (1 - s) / x, s ** (x[:1] * 0 + 3)
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    gm = _dynamic_graph(fn, (x, 0.5), (x, 0.25))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method"].count("item") == 1
+    rewritten = tensorify_float_inputs(gm)
+    # mul_, add(alpha=), _foreach_mul, the reversed division, the scalar-base pow
+    assert rewritten == 5, gm.code
+    # the SymFloat now feeds only its tensor twin, float arithmetic (1 - s, whose own twin the
+    # division takes) and the use the pass does not know (clamp)
+    assert _uses(gm, "item") == sorted([str(operator.mul), str(operator.sub), "clamp"]), gm.code
+    assert _uses(gm, "sub") == [str(operator.mul)], gm.code
+    assert "reciprocal" in gm.code  # eager's ``s / x`` is ``x.reciprocal() * s``
+    for s in (0.125, 0.3):
+        got = gm(x, torch.tensor(s, dtype=torch.float64))
+        want = fn(x.clone(), s)
+        assert [g.dtype for g in got] == [w.dtype for w in want]
+        # alpha=s: the product is rounded where eager's multiply-add is not (one float32 ulp)
+        torch.testing.assert_close(got[0], want[0], rtol=2.4e-7, atol=0)
+        for g, w in zip(got[1:], want[1:]):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_pass_leaves_a_graph_without_dynamic_floats_alone():
+    gm = _dynamic_graph(lambda x, s: x * s, (torch.randn(3), 0.5))  # one call: s is a constant
+    before = gm.code
+    assert tensorify_float_inputs(gm) == 0
+    assert gm.code == before
+
+
+def _optimizer(name: str, **kw):
+    def build(model, *, schedule: str):
+        opt = getattr(torch.optim, name)(model.parameters(), lr=0.01, **kw)
+        if schedule == "cosine":
+            return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)
+        return opt, torch.optim.lr_scheduler.OneCycleLR(
+            opt, 0.05, total_steps=20, cycle_momentum=schedule == "onecycle_momentum")
+    return build
+
+
+CASES = {
+    # SGD's alpha=-lr (single and foreach), its fused kernel's float lr
+    "sgd-single-cosine": (_optimizer("SGD", momentum=0.9, foreach=False), "cosine", 0),
+    "sgd-foreach-onecycle": (_optimizer("SGD", momentum=0.9, foreach=True), "onecycle_momentum", 1e-7),
+    "sgd-fused-cosine": (_optimizer("SGD", momentum=0.9, fused=True), "cosine", 0),
+    # foreach Adam's _foreach_div_(bc, lr) and, with moving betas, _foreach_lerp_/_foreach_pow
+    "adam-foreach-onecycle": (_optimizer("Adam", foreach=True), "onecycle_momentum", 1e-7),
+    "adamw-fused-cosine": (_optimizer("AdamW", fused=True), "cosine", 0),
+    # single-tensor Adam's lerp_(grad, 1 - beta1) and beta1 ** step
+    "adam-single-onecycle": (_optimizer("Adam", foreach=False), "onecycle_momentum", 1e-7),
+    # RMSprop's addcdiv_(value=-lr), which Dynamo writes as prims.fma
+    "rmsprop-single-cosine": (_optimizer("RMSprop", foreach=False), "cosine", 1e-5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_per_call_schedule_compiles_twice_and_matches_eager(fake_pg, case):
+    from torch._dynamo.utils import counters
+
+    build, schedule, atol = CASES[case]
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    twin = copy.deepcopy(model)
+    (opt, sched), (ref_opt, ref_sched) = build(model, schedule=schedule), build(twin, schedule=schedule)
+    compiled = torch.compile(train_step, backend="spmd",
+                             options={"inductor": False, "reduce_op": "sum"})
+    with torch._dynamo.config.patch(recompile_limit=4):  # each value a graph: refused at the 5th
+        for i in range(7):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            compiled(model, opt, x)
+            train_step(twin, ref_opt, x)
+            sched.step()
+            ref_sched.step()
+    assert counters["spmd"]["whole_step_graphs"] == 2, dict(counters["spmd"])
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=atol)
