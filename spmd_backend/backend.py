@@ -49,6 +49,7 @@ from spmd_backend.parallel.replicas import drift_error, rank_local_writes
 from spmd_backend.parallel.schedule_check import ScheduleBook
 from spmd_backend.pipeline import PipelineConfig
 from spmd_backend.runtime import GuardedStep
+from spmd_backend.tracing.adam_denominator import fold_step_size_after_eps
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
 from spmd_backend.tracing.object_state import global_module_hooks
 
@@ -93,6 +94,7 @@ def _compile_aot(
             graphs.fold_gradient_copies(g.graph)
         graphs.annotate_phases(g.graph, inputs.kinds, split_optimizer=True)
         upcast_bias_corrections(g.graph)
+        fold_step_size_after_eps(g.graph)
         report = pipeline.expand(g, config)
         counters["spmd"]["reduce_scatters"] += report.reduce_scatters
         counters["spmd"]["all_gathers"] += report.all_gathers
@@ -106,6 +108,7 @@ def _compile_aot(
         step_cache.drop_key(g.graph)
         graphs.annotate_phases(g.graph, inputs.kinds, default=Phase.FORWARD)
         upcast_bias_corrections(g.graph)
+        fold_step_size_after_eps(g.graph)
         pipeline.expand(g, config)
         return _runner(pipeline.transform(g, config, with_optimizer=False, tag="forward").module)
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 import spmd_backend
 from spmd_backend import SpmdUsageError
+from spmd_backend.testing.steps import compiled_by
 
 
 def input_penalty_step(model, opt, x):
@@ -54,11 +55,7 @@ def _job(rank: int, world: int, door: str) -> dict[str, float]:
         ddp = DDP(copy.deepcopy(model))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        if door == "compile":
-            compiled = spmd_backend.compile(
-                parallel_mode=spmd_backend.DataParallel(reduce_op="avg"))(step)
-        else:
-            compiled = torch.compile(step, backend="spmd", options={"inductor": False})
+        compiled = compiled_by(door, step, reduce_op="avg")
         for i in range(3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + rank))
             compiled(model, opt, x)

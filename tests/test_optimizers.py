@@ -434,3 +434,36 @@ def test_a_fused_optimizer_under_a_scheduler_through_dynamo(name):
                 s.step()
     for k, v in _state(twin, ref).items():
         torch.testing.assert_close(_state(model, opt)[k], v, msg=k)
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+@pytest.mark.parametrize("kw", [dict(), dict(amsgrad=True, weight_decay=0.1)], ids=["plain", "amsgrad"])
+def test_single_tensor_adam_from_lr_zero_keeps_zero_gradient_elements(door, kw):
+    """A warmup that starts at lr = 0 (transformers' schedules) and parameters whose gradient
+    is exactly zero (dead ReLU units): torch 2.13's capturable single-tensor Adam, which every
+    traced step runs, computed ``0 / -0.0`` and wrote NaN into them in both doors (stock
+    ``torch.compile`` too, pytorch#126514) where eager leaves them unchanged. Since 2026-11-28
+    the update has eager's form (spmd_backend/tracing/adam_denominator.py)."""
+    from spmd_backend.testing import fake_process_group
+    from spmd_backend.testing.steps import compiled_by
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    with torch.no_grad():
+        model[0].bias[:8] = -100.0  # eight units that never fire: their gradients are zero
+    twin = copy.deepcopy(model)
+    opt, ref = (torch.optim.AdamW(m.parameters(), lr=0.01, foreach=False, **kw) for m in (model, twin))
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: min(1.0, i / 3)) for o in (opt, ref)]
+    with fake_process_group(world_size=1):
+        compiled = compiled_by(door, step)
+        for i in range(4):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(i))
+            compiled(model, opt, x)
+            step(twin, ref, x)
+            for s in scheds:
+                s.step()
+            assert not any(p.isnan().any() for p in model.parameters()), f"NaN after call {i}"
+    expected, actual = _state(twin, ref), _state(model, opt)
+    for k in expected:
+        torch.testing.assert_close(actual[k], expected[k], msg=k)

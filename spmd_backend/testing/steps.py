@@ -39,3 +39,16 @@ def amp_step(device_type: str, dtype: torch.dtype,  # type: ignore[no-untyped-de
         return loss
 
     return amp_train_step
+
+
+def compiled_by(door: str, step, *, reduce_op: str = "sum"):  # type: ignore[no-untyped-def]
+    """``step`` compiled by one front door, without Inductor: ``"compile"`` is
+    ``spmd_backend.compile`` with ``DataParallel(reduce_op=...)`` (its default passes),
+    ``"dynamo"`` is ``torch.compile(step, backend="spmd")`` with the same reduction."""
+    if door == "compile":
+        import spmd_backend
+
+        return spmd_backend.compile(parallel_mode=spmd_backend.DataParallel(reduce_op=reduce_op))(step)
+    if door == "dynamo":
+        return torch.compile(step, backend="spmd", options={"inductor": False, "reduce_op": reduce_op})
+    raise ValueError(f"unknown door {door!r}: 'compile' or 'dynamo'")

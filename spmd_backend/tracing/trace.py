@@ -38,6 +38,7 @@ from spmd_backend.errors import SpmdTraceError, SpmdUsageError
 from spmd_backend.graph.fused_operands import MISMATCH_ADVICE, fused_operand_mismatch
 from spmd_backend.graph.ops import written_nodes
 from spmd_backend.graph.utils import lazy_graph_modules
+from spmd_backend.tracing.adam_denominator import fold_step_size_after_eps
 from spmd_backend.tracing.annotate import ModuleAnnotator, annotate_optimizer_fqns
 from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
 from spmd_backend.tracing.binding import StepBinding
@@ -165,6 +166,7 @@ def trace_train_step(
     if unlike is not None:
         raise SpmdUsageError(f"spmd_backend.compile: {unlike.describe()}. {MISMATCH_ADVICE}")
     upcast_bias_corrections(gm.graph)
+    fold_step_size_after_eps(gm.graph)  # capturable Adam: no NaN at lr = 0
     _annotate_optimizer(gm, binding, layout)
     if recompile:
         gm.recompile()
