@@ -211,8 +211,9 @@ def _warn_on_recompiles(gm: fx.GraphModule) -> None:
     log.warning(
         'backend="spmd": Dynamo compiled this step %d times. It bakes Python numbers that change '
         "between calls into each graph where it cannot keep them inputs (a fused optimizer's "
-        "momentum or betas a scheduler moves, a number passed where an op needs a constant; "
-        "TORCH_LOGS=recompiles names it); spmd_backend.compile makes an optimizer's "
+        "momentum or betas a scheduler moves, a scheduler's lr on bfloat16/float16 parameters, "
+        "a number passed where an op needs a constant; TORCH_LOGS=recompiles names it); "
+        "spmd_backend.compile makes an optimizer's "
         "hyper-parameters graph inputs. At torch._dynamo.config.recompile_limit Dynamo would run "
         "the step eagerly, unsynchronized: the call is refused before it runs",
         compile_id.frame_compile_id + 1,

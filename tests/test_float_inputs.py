@@ -47,7 +47,7 @@ def test_pass_rewrites_scalar_uses_and_keeps_the_results():
         y.mul_(s)
         z = y.add(x, alpha=s)
         w = torch._foreach_mul([x, y], s)
-        return z.clamp(max=s), w[0] + w[1], (1 - s) / x, s ** (x[:1] * 0 + 3)
+        return z, w[0] + w[1], (1 - s) / x, s ** (x[:1] * 0 + 3)
 
     x = torch.randn(64, generator=torch.Generator().manual_seed(0))
     gm = _dynamic_graph(fn, (x, 0.5), (x, 0.25))
@@ -55,9 +55,9 @@ def test_pass_rewrites_scalar_uses_and_keeps_the_results():
     rewritten = tensorify_float_inputs(gm)
     # mul_, add(alpha=), _foreach_mul, the reversed division, the scalar-base pow
     assert rewritten == 5, gm.code
-    # the SymFloat now feeds only its tensor twin, float arithmetic (1 - s, whose own twin the
-    # division takes) and the use the pass does not know (clamp)
-    assert _uses(gm, "item") == sorted([str(operator.mul), str(operator.sub), "clamp"]), gm.code
+    # the SymFloat now feeds only its tensor twin and float arithmetic (1 - s, whose own twin
+    # the division takes)
+    assert _uses(gm, "item") == sorted([str(operator.mul), str(operator.sub)]), gm.code
     assert _uses(gm, "sub") == [str(operator.mul)], gm.code
     assert "reciprocal" in gm.code  # eager's ``s / x`` is ``x.reciprocal() * s``
     for s in (0.125, 0.3):
@@ -68,6 +68,70 @@ def test_pass_rewrites_scalar_uses_and_keeps_the_results():
         torch.testing.assert_close(got[0], want[0], rtol=2.4e-7, atol=0)
         for g, w in zip(got[1:], want[1:]):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use", ["clamp", "bfloat16", "sqrt"])
+def test_a_float_with_a_use_it_cannot_keep_is_baked_whole(use):
+    """One use the pass does not keep bakes the float for the whole frame: nothing is
+    rewritten and Dynamo is asked to restart with the value baked. Keeping it in ``x * s`` and
+    baking it in ``x.clamp(max=s)`` is what AOTAutograd's tensorify does on its own, without a
+    restart; the AOTAutograd cache then served the first value's graph to later values (stock
+    torch.compile too), and after cc620ef a bfloat16 Adam's moving beta1 was stale so."""
+    import math
+
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    def fn(x, s):
+        y = x * s
+        if use == "clamp":
+            return y, x.clamp(max=s)
+        if use == "bfloat16":
+            return y, x.bfloat16().mul_(s)
+        return y, x * math.sqrt(s)
+
+    x = torch.randn(8)
+    gm = _dynamic_graph(fn, (x, 0.5), (x, 0.25))
+    before = gm.code
+    TensorifyState.clear()
+    try:
+        with pytest.raises(TensorifyScalarRestartAnalysis):
+            tensorify_float_inputs(gm)
+        assert not TensorifyState.empty()
+    finally:
+        TensorifyState.clear()
+    assert gm.code == before
+
+
+def _clamped_sgd_step(model, x, s):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(p.grad * s)
+            p.clamp_(max=s)
+            p.grad = None
+    return loss.detach()
+
+
+def test_a_float_baked_in_one_use_is_current_in_every_call(fake_pg, monkeypatch, tmp_path):
+    """A user's step that uses a per-call float as a tensor operand and as a clamp bound: every
+    call uses its own value (through a fresh AOTAutograd cache, where the stale graph came
+    from)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(_clamped_sgd_step, backend="spmd",
+                             options={"inductor": False, "reduce_op": "sum"})
+    with torch._dynamo.config.patch(recompile_limit=20):
+        for i, s in enumerate([0.5, 0.25, 0.3, 0.2, 0.1]):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            compiled(model, x, s)
+            _clamped_sgd_step(twin, x, s)
+            for p, q in zip(model.parameters(), twin.parameters()):
+                torch.testing.assert_close(p, q, msg=f"call {i} (s={s})")
 
 
 def test_pass_leaves_a_graph_without_dynamic_floats_alone():
@@ -125,3 +189,28 @@ def test_a_per_call_schedule_compiles_twice_and_matches_eager(fake_pg, case):
     assert counters["spmd"]["whole_step_graphs"] == 2, dict(counters["spmd"])
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=atol)
+
+
+def test_a_bfloat16_adam_under_one_cycle_uses_each_calls_betas(fake_pg, monkeypatch, tmp_path):
+    """bfloat16 single-tensor AdamW with OneCycleLR moving beta1 every call: its ``lerp_`` weight
+    is not kept as a tensor in bfloat16 (the kernel rounds a Python weight differently), so
+    beta1 is baked and each value recompiles. After cc620ef the lr was kept and beta1 baked in
+    place, and every call from the third on used one stale beta1 (0.17 off eager after 12 calls)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).bfloat16()
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01, foreach=False) for m in (model, twin)]
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, 0.05, total_steps=20) for o in opts]
+    compiled = torch.compile(train_step, backend="spmd",
+                             options={"inductor": False, "reduce_op": "sum"})
+    with torch._dynamo.config.patch(recompile_limit=20):
+        for i in range(6):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).bfloat16()
+            compiled(model, opts[0], x)
+            train_step(twin, opts[1], x)
+            for s in scheds:
+                s.step()
+    for p, q in zip(model.parameters(), twin.parameters()):  # bf16 Adam: an ulp or two apart
+        torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=8e-3)

@@ -342,9 +342,10 @@ def refuse_eager_fallback(values: Iterable[object], code: Any, limit: str, limit
         "Dynamo's warning above gives the last reason (TORCH_LOGS=recompiles: all of them); "
         "typical causes: momentum or betas a scheduler moves on a fused optimizer, whose "
         "kernel takes them as Python numbers (OneCycleLR: cycle_momentum=False, or the "
-        "default implementation; a scheduler's lr stays a graph input), a Python number that "
-        "changes per call where an op needs a constant (spmd_backend.compile lifts an "
-        "optimizer's hyper-parameters as inputs); or raise torch._dynamo.config.recompile_limit"
+        "default implementation), a scheduler's lr on bfloat16/float16 parameters (create the "
+        "optimizer with lr=torch.tensor(...)), a Python number that changes per call where an "
+        "op needs a constant (spmd_backend.compile lifts an optimizer's hyper-parameters as "
+        "inputs); or raise torch._dynamo.config.recompile_limit"
     )
 
 

@@ -5,46 +5,70 @@ scheduler) is made dynamic by Dynamo on its recompile: the graph takes it as a 0
 tensor input and ``.item()``s it into a SymFloat. Where the step hands that SymFloat to an op as
 a Python number (``p.add_(grad, alpha=-lr)`` of SGD and RMSprop, ``torch._foreach_div_(bc, lr)``
 of foreach Adam, ``buf.mul_(momentum)``, a fused kernel's ``lr``), AOTAutograd's tensorify pass
-cannot turn it into tensor compute and specializes it: Dynamo restarts the frame with the value
-baked in. A per-step schedule then compiled a new graph on every call, and the call was refused
-at Dynamo's recompile limit (stock ``torch.compile`` would run the step eagerly there).
+cannot turn it into tensor compute and specializes it. A per-step schedule then compiled a new
+graph on every call, and the call was refused at Dynamo's recompile limit. Worse, where
+tensorify turns *some* uses of a float into tensor compute and bakes the value into others, it
+does so without restarting Dynamo, and the AOTAutograd cache then serves the graph with the
+old value baked in to the next value's recompile (stock ``torch.compile`` too): a stale value.
 
-:func:`tensorify_float_inputs` rewrites such uses on Dynamo's graph, before AOTAutograd, into
-tensor compute on the input itself, so the value stays a graph input and a schedule never
-recompiles:
+:func:`tensorify_float_inputs` runs on Dynamo's graph, before AOTAutograd, and decides per float
+input, all or nothing:
 
-* float arithmetic on the SymFloat (``-lr``, ``1 - beta``, ``lr * wd``) becomes the same
-  arithmetic on the float64 tensor (IEEE double either way: the same value);
-* a binary op taking it as its scalar operand (``mul_``, ``div``, ``x - s``, ``_foreach_mul_``,
-  ``pow(s, step)``, ``lerp_(end, s)``...) takes the tensor instead, cast to the precision eager
-  computes a Python scalar in (the operand's "opmath" dtype: float32 for float32, bfloat16 and
-  float16); the result's dtype is kept;
-* ``alpha=s`` of ``add``/``sub`` (and of ``_foreach_add_``/``_foreach_sub_``) becomes a product
-  of the other operand and the tensor, which is what torch's own optimizers do with a tensor lr
-  under ``torch.compile`` (``_foreach_mul(grads, -lr)``); the product is taken in the operand's
-  opmath dtype (a bfloat16 gradient as float32), so it is rounded to the parameter's dtype once,
-  but the float32 product itself is rounded where eager's fused multiply-add is not (at most
-  one float32 ulp of the update: SGD within 3e-8 of eager after 12 steps, RMSprop, which
-  amplifies it, within 7e-5 under OneCycleLR, measured 2026-11-28);
-* ``torch.scalar_tensor(s, ...)`` (how the scope hands a dynamic lr to a fused kernel, see
-  :mod:`spmd_backend.dynamo.scope`) becomes the input converted to the requested dtype/device.
+* every use it knows how to keep (the list below): each is rewritten to take a tensor twin of
+  the SymFloat, ``ones(()) * s``, which tensorify turns into float64 tensor compute on the input
+  (replaying ``-lr``, ``1 - beta``, ``lr * wd`` in IEEE double like Python) and counts as kept;
+  the float stays a graph input and a schedule never recompiles;
+* any other use (an op whose scalar semantics a tensor would change, a bfloat16 or float16
+  operand, float arithmetic other than ``+ - * /``): the float is specialized for the whole
+  frame (``TensorifyState``, then a restart of Dynamo's analysis, as tensorify itself does): its
+  value is baked into the graph and guarded, so a change recompiles, and at the recompile limit
+  :mod:`spmd_backend.dynamo.audit` refuses the call before it runs. Never half of each.
 
-A use it does not know is left alone (Dynamo then specializes the float and recompiles, as
-before; :mod:`spmd_backend.dynamo.audit` refuses at the limit). Requires Dynamo's graph with
-``example_value`` metadata (torch 2.13); guarantees that every rewritten node computes what it
-computed with the Python number, in the same dtype, and that no SymFloat it rewrote away is used
-afterwards (the ``item()`` calls are erased).
+The uses kept, on float32 and float64 tensors only (where a 0-dim tensor of the operand's dtype
+computes exactly what the Python number does; low-precision kernels round scalars differently
+per op and per code path):
+
+* ``x op s``, ``s op x``, in place or not, for ``+ - * /`` (``s / x`` as eager computes it,
+  ``x.reciprocal() * s``): the scalar as a 0-dim tensor of ``x``'s dtype;
+* ``x.add(y, alpha=s)`` / ``sub`` and ``_foreach_add(xs, ys, alpha=s)`` / ``_foreach_sub``, with
+  ``x`` and ``y`` of one dtype: ``y * s`` added, which is what torch's optimizers do with a tensor
+  lr under ``torch.compile``; the product is rounded where eager's fused multiply-add is not (at
+  most one ulp of the update: SGD within 3e-8 of eager after 12 steps, RMSprop, which amplifies
+  it, 7e-5 under OneCycleLR, measured 2026-11-28);
+* ``_foreach_mul(xs, s)`` / ``_foreach_div`` (in place or not): their 0-dim tensor overloads;
+* ``x.lerp_(end, s)``, ``prims.fma(x, s, y)`` (Dynamo's form of ``addcdiv_(value=s)``);
+* ``s ** t`` and ``torch._foreach_pow(s, ts)``: a 0-dim exponent (an optimizer's step count)
+  gets the float64 base and a float64 result, as the pipeline computes the same bias correction
+  with a Python base (tracing/bias_corrections.py); a larger one the base in its dtype;
+* ``torch.full_like(x, s)``: ``empty_like(x).fill_(s)`` (any floating dtype: ``fill_`` rounds
+  the float64 tensor as it rounds the Python number);
+* ``torch.scalar_tensor(s, dtype, device)`` (how the scope hands a dynamic lr to a fused kernel,
+  :mod:`spmd_backend.dynamo.scope`): a fresh copy of the input in that dtype and device.
+
+Requires Dynamo's graph with ``example_value`` metadata (torch 2.13). Guarantees: a rewritten
+node computes what it computed with the Python number, in the same dtype (the 0-dim-exponent
+pow aside, as above), with the one-ulp ``alpha`` exception; no float is rewritten in some uses
+and baked in others.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-#: binary tensor methods whose second operand may be a Python number or a 0-dim tensor
+log = logging.getLogger(__name__)
+
+#: float arithmetic on a dynamic float that the twin replays (tensorify interprets its
+#: expression): anything else bakes the float
+_ARITHMETIC: frozenset = frozenset(
+    {operator.neg, operator.add, operator.sub, operator.mul, operator.truediv}
+)
+#: binary tensor methods / functions whose operand may be a Python number or a 0-dim tensor
 _METHODS: frozenset = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"})
 _FUNCTIONS: frozenset = frozenset(
     {
@@ -53,49 +77,77 @@ _FUNCTIONS: frozenset = frozenset(
         torch.add, torch.sub, torch.mul, torch.div,
     }
 )
-#: foreach ops with a scalar second operand and a 0-dim tensor overload
-_FOREACH_TENSOR: frozenset = frozenset(
-    {
-        torch._foreach_add, torch._foreach_add_, torch._foreach_mul, torch._foreach_mul_,
-        torch._foreach_div, torch._foreach_div_,
-    }
+_INPLACE_FUNCTIONS: frozenset = frozenset(
+    {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 )
-#: foreach subtraction of a scalar (no tensor overload): added negated, exactly the same
-_FOREACH_SUB: dict = {torch._foreach_sub: torch._foreach_add, torch._foreach_sub_: torch._foreach_add_}
+_ADDITIONS: frozenset = frozenset({"add", "add_", "sub", "sub_", torch.add, torch.sub})
+#: foreach ops with a scalar second operand and a 0-dim tensor overload (not add: its tensor
+#: overload reads the scalar with .item(), which AOTAutograd cannot trace)
+_FOREACH_SCALAR: frozenset = frozenset(
+    {torch._foreach_mul, torch._foreach_mul_, torch._foreach_div, torch._foreach_div_}
+)
 #: foreach ops taking ``alpha=`` with a second tensor list
 _FOREACH_ALPHA: frozenset = frozenset(
     {torch._foreach_add, torch._foreach_add_, torch._foreach_sub, torch._foreach_sub_}
 )
-_INPLACE_FUNCTIONS: frozenset = frozenset(
-    {operator.iadd, operator.isub, operator.imul, operator.itruediv}
-)
+_EXACT_DTYPES: frozenset = frozenset({torch.float32, torch.float64})
+
+Apply = Callable[[], None]
 
 
 def _value(arg: Any) -> Any:
     return arg.meta.get("example_value") if isinstance(arg, fx.Node) else arg
 
 
-def _is_float_tensor(arg: Any) -> bool:
+def _exact(arg: Any) -> bool:
+    """A float32 or float64 tensor (operand) node."""
     value = _value(arg)
-    return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+    return isinstance(value, torch.Tensor) and value.dtype in _EXACT_DTYPES
+
+
+def _dtype(arg: fx.Node) -> torch.dtype:
+    return _value(arg).dtype
 
 
 def _device(arg: Any) -> torch.device | None:
-    """The device a scalar operand of ``arg`` is put on: None (left on the CPU, where the
-    float input is) for a CPU tensor, else ``arg``'s (one small copy per call, and every op
-    then sees its operands on one device)."""
+    """Where a scalar operand of ``arg`` goes: None (left on the CPU, where the float input
+    is) for a CPU tensor, else ``arg``'s device (one small copy per call; every op then sees
+    its operands on one device)."""
     value = _value(arg)
     device = value.device if isinstance(value, torch.Tensor) else None
     return None if device is None or device.type == "cpu" else device
 
 
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    """The dtype eager computes a Python scalar in for a tensor of ``dtype``."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+def _number(arg: Any) -> bool:
+    return isinstance(arg, (int, float)) and not isinstance(arg, bool)
+
+
+def _float_symbols(node: fx.Node) -> frozenset:
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.SymFloat):
+        return frozenset()
+    return frozenset(value.node.expr.free_symbols)
+
+
+def _root_symbol(node: fx.Node) -> Any:
+    """The float symbol of ``node`` when it is Dynamo's ``.item()`` of a float input (a 0-dim
+    float64 placeholder) that is still dynamic; None otherwise."""
+    if node.op != "call_method" or node.target != "item" or len(node.args) != 1:
+        return None
+    source = node.args[0]
+    value = _value(source)
+    if not (isinstance(source, fx.Node) and source.op == "placeholder"
+            and isinstance(value, torch.Tensor) and value.dtype == torch.float64
+            and value.dim() == 0):
+        return None
+    sym = node.meta.get("example_value")
+    expr = getattr(getattr(sym, "node", None), "_expr", None)
+    return expr if isinstance(sym, torch.SymFloat) and getattr(expr, "is_Symbol", False) \
+        and expr in sym.node.expr.free_symbols else None
 
 
 class _Rewriter:
-    """One graph's rewrite: the tensor twin of each rewritable SymFloat node, and the casts."""
+    """One graph's plan: which dynamic floats are kept, and the rewrite of each use."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
@@ -108,67 +160,68 @@ class _Rewriter:
     def _call(self, op: str, target: Any, args: tuple, kwargs: dict | None = None,
               *, value: Any = None) -> fx.Node:
         node = self.graph.create_node(op, target, args, kwargs or {})
-        if value is None:
-            value = self._fake_run(op, target, args, kwargs or {})
-        node.meta["example_value"] = value
+        node.meta["example_value"] = value if value is not None \
+            else self._fake_run(op, target, args, kwargs or {})
         return node
 
-    def _fake_run(self, op: str, target: Any, args: tuple, kwargs: dict) -> Any:
+    @staticmethod
+    def _fake_run(op: str, target: Any, args: tuple, kwargs: dict) -> Any:
         real_args = fx.node.map_arg(args, _value)
         real_kwargs = fx.node.map_arg(kwargs, _value)
-        mode = _fake_mode_of((real_args, real_kwargs))
-        with mode:
+        with _fake_mode_of((real_args, real_kwargs)):
             if op == "call_method":
                 return getattr(real_args[0], target)(*real_args[1:], **real_kwargs)
             return target(*real_args, **real_kwargs)
 
-    # ------------------------------------------------------------------ twins
-    def twin(self, node: fx.Node) -> fx.Node | None:
-        """A float64 0-dim tensor node equal to SymFloat ``node`` (None: a specialized value).
+    # ------------------------------------------------------------------ twins and casts
+    def twin(self, node: fx.Node) -> fx.Node:
+        """A float64 0-dim tensor node equal to SymFloat ``node``: ``ones(()) * node``, which
+        AOTAutograd's tensorify pass rewrites into tensor compute on the graph input."""
+        if node not in self.twins:
+            if self.one is None:
+                with self.graph.inserting_after(_last_placeholder(self.graph)):
+                    self.one = self._call("call_function", torch.ones, ((),),
+                                          {"dtype": torch.float64}, value=_fake_ones(self.graph))
+            with self.graph.inserting_after(node):
+                self.twins[node] = self._call("call_function", operator.mul, (self.one, node),
+                                              value=_fake_ones(self.graph))
+        return self.twins[node]
 
-        It is ``ones(()) * node``: AOTAutograd's tensorify pass rewrites that product into
-        tensor compute on the graph input (replaying ``-lr``, ``1 - beta`` in float64, IEEE
-        double like Python's arithmetic), which also tells it the float need not be
-        specialized; a float it never sees in such an op is specialized even unused."""
-        if node in self.twins:
-            return self.twins[node]
-        value = node.meta.get("example_value")
-        if not isinstance(value, torch.SymFloat) or not value.node.expr.free_symbols:
-            return None
-        if self.one is None:
-            with self.graph.inserting_after(_last_placeholder(self.graph)):
-                self.one = self._call("call_function", torch.ones, ((),), {"dtype": torch.float64},
-                                      value=_fake_ones(self.graph))
-        with self.graph.inserting_after(node):
-            twin = self._call("call_function", operator.mul, (self.one, node),
-                              value=_fake_ones(self.graph))
-        self.twins[node] = twin
-        return twin
-
-    def cast(self, sym: fx.Node, dtype: torch.dtype, device: torch.device | None = None) -> fx.Node:
-        """``sym``'s twin as a 0-dim tensor of ``dtype`` (on ``device`` if given), inserted
-        after the twin (so before every use of ``sym``)."""
-        twin = self.twins[sym]
+    def cast(self, sym: fx.Node, dtype: torch.dtype, device: torch.device | None = None,
+             *, fresh: bool = False) -> fx.Node:
+        """``sym``'s twin as a 0-dim tensor of ``dtype`` (on ``device`` if given), right after
+        the twin. Shared between uses unless ``fresh`` (a copy a use may write to)."""
+        twin = self.twin(sym)
         key = (twin, dtype, str(device) if device is not None else None)
-        if key not in self.casts:
+        if fresh or key not in self.casts:
             value = _value(twin)
-            if value.dtype == dtype and (device is None or value.device == device):
+            same = value.dtype == dtype and (device is None or value.device == device)
+            if same and not fresh:
                 self.casts[key] = twin
             else:
+                kwargs: dict[str, Any] = {"dtype": dtype}
+                if device is not None:
+                    kwargs["device"] = device
+                if fresh:
+                    kwargs["copy"] = True
                 with self.graph.inserting_after(twin):
-                    kwargs = {"dtype": dtype} if device is None else {"dtype": dtype, "device": device}
-                    self.casts[key] = self._call("call_method", "to", (twin,), kwargs)
+                    cast = self._call("call_method", "to", (twin,), kwargs)
+                if fresh:
+                    return cast
+                self.casts[key] = cast
         return self.casts[key]
 
-    # ------------------------------------------------------------------ uses
-    def rewrite(self, node: fx.Node) -> bool:
-        """Rewrite ``node``'s uses of SymFloats with twins; False when it is not one we know."""
+    # ------------------------------------------------------------------ plans
+    def plan(self, node: fx.Node, syms: set[fx.Node]) -> Apply | None:
+        """How to rewrite ``node``'s uses of the dynamic floats ``syms``; None when it is not
+        a use this module keeps (the floats it uses are then baked)."""
+        self.syms = syms
         if node.op == "call_method" and node.target in _METHODS:
             return self._binary(node, inplace=node.target.endswith("_"))
         if node.op == "call_method" and node.target == "lerp_":
             return self._lerp(node)
         if node.op != "call_function":
-            return False
+            return None
         target = node.target
         if target in _FUNCTIONS:
             return self._binary(node, inplace=target in _INPLACE_FUNCTIONS)
@@ -176,197 +229,173 @@ class _Rewriter:
             return self._scalar_base_pow(node)
         if target is torch._foreach_pow:
             return self._foreach_scalar_base_pow(node)
+        if target in _FOREACH_SCALAR or target in _FOREACH_ALPHA:
+            return self._foreach(node)
         if target is torch.full_like:
             return self._full_like(node)
-        if target in _FOREACH_TENSOR or target in _FOREACH_SUB:
-            return self._foreach(node)
         if target is torch.scalar_tensor:
             return self._scalar_tensor(node)
         if target is torch.ops.prims.fma.default:
             return self._fma(node)
-        return False
+        return None
 
     def _sym(self, arg: Any) -> bool:
-        return isinstance(arg, fx.Node) and arg in self.twins
+        return isinstance(arg, fx.Node) and arg in self.syms
 
-    def _binary(self, node: fx.Node, *, inplace: bool) -> bool:
+    def _set(self, node: fx.Node, args: tuple, kwargs: dict | None = None,
+             target: Any = None, op: str | None = None) -> None:
+        node.args = args
+        node.kwargs = kwargs or {}
+        if target is not None:
+            node.target = target
+        if op is not None:
+            node.op = op
+
+    def _binary(self, node: fx.Node, *, inplace: bool) -> Apply | None:
         """``x op s``, ``s op x`` and ``x.add(y, alpha=s)``."""
-        args = list(node.args)
-        kwargs = dict(node.kwargs)
+        args, kwargs = list(node.args), dict(node.kwargs)
         if len(args) != 2 or set(kwargs) - {"alpha"}:
-            return False
+            return None
         alpha = kwargs.get("alpha")
         if self._sym(alpha):
-            if self._sym(args[0]) or self._sym(args[1]) or not _is_float_tensor(args[1]) \
-                    or node.target not in ("add", "add_", "sub", "sub_", torch.add, torch.sub):
-                return False
-            other = args[1]
-            with self.graph.inserting_before(node):
-                args[1] = self._call("call_function", operator.mul,
-                                     (self._upcast(other), self._alpha(alpha, other)))
-            del kwargs["alpha"]
-        else:
-            tensors = [i for i, a in enumerate(args) if _is_float_tensor(a)]
-            syms = [i for i, a in enumerate(args) if self._sym(a)]
-            if len(tensors) != 1 or len(syms) != 1 or (inplace and syms[0] == 0):
-                return False
-            tensor = args[tensors[0]]
-            scalar = self.cast(args[syms[0]], _opmath(_value(tensor).dtype), _device(tensor))
-            if syms[0] == 0 and node.target in (operator.truediv, torch.div):
-                # eager's ``s / x`` is ``x.reciprocal() * s`` (Tensor.__rtruediv__), not a division
+            x, y = args
+            if node.target not in _ADDITIONS or self._sym(x) or self._sym(y) \
+                    or not (_exact(x) and _exact(y)) or _dtype(x) != _dtype(y):
+                return None
+
+            def keep_alpha() -> None:
+                scale = self.cast(alpha, _dtype(y), _device(y))
+                with self.graph.inserting_before(node):
+                    product = self._call("call_function", operator.mul, (y, scale))
+                self._set(node, (x, product))
+
+            return keep_alpha
+        if alpha is not None and not _number(alpha):
+            return None
+        syms = [i for i, a in enumerate(args) if self._sym(a)]
+        if len(syms) != 1 or not _exact(args[1 - syms[0]]) or (inplace and syms[0] == 0):
+            return None
+        i = syms[0]
+        tensor = args[1 - i]
+
+        def keep() -> None:
+            scalar = self.cast(args[i], _dtype(tensor), _device(tensor))
+            if i == 0 and node.target in (operator.truediv, torch.div):
+                # eager's ``s / x`` is ``x.reciprocal() * s`` (Tensor.__rtruediv__)
                 with self.graph.inserting_before(node):
                     inverse = self._call("call_method", "reciprocal", (tensor,))
-                node.target, node.op = operator.mul, "call_function"
-                args = [inverse, scalar]
+                self._set(node, (inverse, scalar), kwargs, operator.mul, "call_function")
             else:
-                args[syms[0]] = scalar
-        return self._replace(node, tuple(args), kwargs, inplace=inplace)
+                new = list(args)
+                new[i] = scalar
+                self._set(node, tuple(new), kwargs)
 
-    def _alpha(self, alpha: fx.Node, other: fx.Node) -> fx.Node:
-        """The scale eager's ``add(x, other, alpha=s)`` multiplies ``other`` by: ``s`` rounded
-        to ``other``'s dtype (CPU's kernels keep alpha in the tensor's own dtype, so a
-        bfloat16 gradient is scaled by a bfloat16 lr), in the opmath dtype."""
-        dtype = _value(other).dtype
-        scale = self.cast(alpha, dtype, _device(other))
-        if _opmath(dtype) == dtype:
-            return scale
-        return self._call("call_method", "to", (scale, _opmath(dtype)))
+        return keep
 
-    def _upcast(self, tensor: fx.Node) -> fx.Node:
-        """``tensor`` in its opmath dtype (a bfloat16 gradient as float32): its product with
-        the scale is then rounded to its dtype once, where it is added, as eager's fused
-        multiply-add does (inserted before the node being rewritten)."""
-        dtype = _value(tensor).dtype
-        if _opmath(dtype) == dtype:
-            return tensor
-        return self._call("call_method", "to", (tensor, _opmath(dtype)))
-
-    def _lerp(self, node: fx.Node) -> bool:
-        """``x.lerp_(end, s)``: the tensor weight must have ``x``'s dtype, which is eager's
-        precision only for float32 and float64."""
+    def _lerp(self, node: fx.Node) -> Apply | None:
         if len(node.args) != 3 or node.kwargs or not self._sym(node.args[2]) \
-                or not _is_float_tensor(node.args[0]):
-            return False
-        dtype = _value(node.args[0]).dtype
-        if _opmath(dtype) != dtype:
-            return False
-        weight = self.cast(node.args[2], dtype, _device(node.args[0]))
-        return self._replace(node, (node.args[0], node.args[1], weight), {}, inplace=True)
+                or not (_exact(node.args[0]) and _exact(node.args[1])) \
+                or _dtype(node.args[0]) != _dtype(node.args[1]):
+            return None
+        x, end, s = node.args
+        return lambda: self._set(node, (x, end, self.cast(s, _dtype(x), _device(x))))
 
-    def _scalar_base_pow(self, node: fx.Node) -> bool:
-        """``s ** step`` (an optimizer's bias correction): the float64 tensor as the base. A
-        0-dim exponent then gives a float64 result, which is what the pipeline makes of the
-        same pow with a Python base (tracing/bias_corrections.py upcasts it); a larger exponent
-        gives eager's dtype, with the base rounded to it as eager does."""
+    def _scalar_base_pow(self, node: fx.Node) -> Apply | None:
         if len(node.args) != 2 or node.kwargs or not self._sym(node.args[0]) \
-                or not _is_float_tensor(node.args[1]):
-            return False
-        node.args = (self.cast(node.args[0], torch.float64, _device(node.args[1])), node.args[1])
-        node.meta["example_value"] = self._fake_run(node.op, node.target, node.args, {})
-        return True
+                or not _exact(node.args[1]):
+            return None
+        s, t = node.args
+        dtype = torch.float64 if _value(t).dim() == 0 else _dtype(t)
 
-    def _foreach_scalar_base_pow(self, node: fx.Node) -> bool:
-        """``torch._foreach_pow(s, steps)``: a list of the float64 base, as above."""
+        def keep() -> None:
+            self._set(node, (self.cast(s, dtype, _device(t)), t))
+            node.meta["example_value"] = self._fake_run(node.op, node.target, node.args, {})
+
+        return keep
+
+    def _foreach_scalar_base_pow(self, node: fx.Node) -> Apply | None:
         exponents = node.args[1] if len(node.args) == 2 else None
         if node.kwargs or not self._sym(node.args[0]) or not isinstance(exponents, (list, tuple)) \
-                or not all(_is_float_tensor(e) for e in exponents):
-            return False
-        base = self.cast(node.args[0], torch.float64, _device(exponents[0]))
-        node.args = ([base] * len(exponents), list(exponents))
-        node.meta["example_value"] = self._fake_run(node.op, node.target, node.args, {})
-        return True
+                or not exponents or not all(_exact(e) for e in exponents) \
+                or len({(_dtype(e), _value(e).dim() == 0) for e in exponents}) != 1:
+            return None
+        s, first = node.args[0], exponents[0]
+        dtype = torch.float64 if _value(first).dim() == 0 else _dtype(first)
 
-    def _full_like(self, node: fx.Node) -> bool:
-        """``torch.full_like(x, s)`` is ``empty_like(x).fill_(s)``; ``fill_`` takes the float64
-        tensor and rounds it to ``x``'s dtype as it rounds the Python number."""
-        if len(node.args) != 2 or node.kwargs or not self._sym(node.args[1]) \
-                or not _is_float_tensor(node.args[0]):
-            return False
-        with self.graph.inserting_before(node):
-            empty = self._call("call_function", torch.empty_like, (node.args[0],))
-            value = self.cast(node.args[1], torch.float64, _device(node.args[0]))
-            filled = self._call("call_method", "fill_", (empty, value),
-                                value=_value(node))
-        node.replace_all_uses_with(filled)
-        self.graph.erase_node(node)
-        return True
+        def keep() -> None:
+            base = self.cast(s, dtype, _device(first))
+            self._set(node, ([base] * len(exponents), list(exponents)))
+            node.meta["example_value"] = self._fake_run(node.op, node.target, node.args, {})
 
-    def _foreach(self, node: fx.Node) -> bool:
-        args = list(node.args)
-        kwargs = dict(node.kwargs)
-        if len(args) != 2 or set(kwargs) - {"alpha"} or not isinstance(args[0], (list, tuple)):
-            return False
-        dtypes_seen = {_value(t).dtype for t in args[0] if _is_float_tensor(t)}
-        if len(dtypes_seen) != 1 or not all(_is_float_tensor(t) for t in args[0]):
-            return False
-        opmath = _opmath(next(iter(dtypes_seen)))
-        target = node.target
+        return keep
+
+    def _foreach(self, node: fx.Node) -> Apply | None:
+        args, kwargs = list(node.args), dict(node.kwargs)
+        if len(args) != 2 or set(kwargs) - {"alpha"} or not isinstance(args[0], (list, tuple)) \
+                or not args[0] or not all(_exact(t) for t in args[0]) \
+                or len({_dtype(t) for t in args[0]}) != 1 or any(self._sym(t) for t in args[0]):
+            return None
+        dtype, device = _dtype(args[0][0]), _device(args[0][0])
         alpha = kwargs.get("alpha")
         if self._sym(alpha):
             others = args[1]
-            if target not in _FOREACH_ALPHA or not isinstance(others, (list, tuple)) \
-                    or not all(_is_float_tensor(t) for t in others) \
-                    or len({_value(t).dtype for t in others}) != 1:
-                return False
-            with self.graph.inserting_before(node):
-                scale = self._alpha(alpha, others[0])
-                upcast = [self._upcast(t) for t in others]
-                args[1] = self._call("call_function", torch._foreach_mul, (upcast, scale))
-            del kwargs["alpha"]
-        elif self._sym(args[1]) and not kwargs and opmath in dtypes_seen:
-            # a low-precision list: CPU's foreach kernels round some scalars to the list's
-            # dtype and not others (mul, not add or div); left to Dynamo's specialization
-            scalar = self.cast(args[1], opmath, _device(args[0][0]))
-            if target in _FOREACH_SUB:
+            if node.target not in _FOREACH_ALPHA or not isinstance(others, (list, tuple)) \
+                    or len(others) != len(args[0]) or not all(_exact(t) for t in others) \
+                    or {_dtype(t) for t in others} != {dtype}:
+                return None
+
+            def keep_alpha() -> None:
+                scale = self.cast(alpha, dtype, device)
                 with self.graph.inserting_before(node):
-                    scalar = self._call("call_function", operator.neg, (scalar,))
-                target = _FOREACH_SUB[target]
-            args[1] = scalar
-        else:
-            return False
-        inplace = target.__name__.endswith("_")
-        return self._replace(node, tuple(args), kwargs, inplace=inplace, target=target)
+                    product = self._call("call_function", torch._foreach_mul, (list(others), scale))
+                self._set(node, (args[0], product))
 
-    def _fma(self, node: fx.Node) -> bool:
-        """``prims.fma(x, s, y)``: Dynamo's form of ``y.addcdiv_(t1, t2, value=s)`` (and of
-        ``addcmul_``). ``s`` as a tensor of ``x``'s opmath dtype, as a Python number is."""
-        if len(node.args) != 3 or node.kwargs or not self._sym(node.args[1]) \
-                or not _is_float_tensor(node.args[0]) or self._sym(node.args[0]):
-            return False
-        scalar = self.cast(node.args[1], _opmath(_value(node.args[0]).dtype), _device(node.args[0]))
-        return self._replace(node, (node.args[0], scalar, node.args[2]), {}, inplace=False)
+            return keep_alpha
+        if node.target not in _FOREACH_SCALAR or kwargs or not self._sym(args[1]):
+            return None
+        return lambda: self._set(node, (args[0], self.cast(args[1], dtype, device)))
 
-    def _scalar_tensor(self, node: fx.Node) -> bool:
+    def _full_like(self, node: fx.Node) -> Apply | None:
+        if len(node.args) != 2 or node.kwargs or not self._sym(node.args[1]):
+            return None
+        x, s = node.args
+        value = _value(x)
+        if not (isinstance(value, torch.Tensor) and value.dtype.is_floating_point):
+            return None
+
+        def keep() -> None:
+            fill = self.cast(s, torch.float64, _device(x))
+            with self.graph.inserting_before(node):
+                empty = self._call("call_function", torch.empty_like, (x,))
+                filled = self._call("call_method", "fill_", (empty, fill), value=_value(node))
+            node.replace_all_uses_with(filled)
+            self.graph.erase_node(node)
+
+        return keep
+
+    def _scalar_tensor(self, node: fx.Node) -> Apply | None:
         if len(node.args) != 1 or not self._sym(node.args[0]) \
                 or set(node.kwargs) - {"dtype", "device"}:
-            return False
+            return None
         dtype = node.kwargs.get("dtype") or torch.get_default_dtype()
         device = node.kwargs.get("device")
-        value = self.cast(node.args[0], dtype, torch.device(device) if device is not None else None)
-        node.replace_all_uses_with(value)
-        self.graph.erase_node(node)
-        return True
+        device = torch.device(device) if device is not None else None
 
-    def _replace(self, node: fx.Node, args: tuple, kwargs: dict, *, inplace: bool,
-                 target: Any = None) -> bool:
-        """Point ``node`` at the new operands; an out-of-place result whose dtype the tensor
-        operand changed (a 0-dim low-precision operand) is cast back to eager's."""
-        node.args = args
-        node.kwargs = kwargs
-        if target is not None:
-            node.target = target
-        if inplace:
-            return True
-        expected = _value(node)
-        if not isinstance(expected, torch.Tensor):
-            return True
-        got = self._fake_run(node.op, node.target, node.args, node.kwargs)
-        if got.dtype != expected.dtype:
-            with self.graph.inserting_after(node):
-                back = self._call("call_method", "to", (node, expected.dtype), value=expected)
-            node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-            node.meta["example_value"] = got
-        return True
+        def keep() -> None:
+            fresh = self.cast(node.args[0], dtype, device, fresh=True)  # the caller may write it
+            node.replace_all_uses_with(fresh)
+            self.graph.erase_node(node)
+
+        return keep
+
+    def _fma(self, node: fx.Node) -> Apply | None:
+        """``prims.fma(x, s, y)``: Dynamo's form of ``y.addcdiv_(t1, t2, value=s)``."""
+        if len(node.args) != 3 or node.kwargs or not self._sym(node.args[1]) \
+                or not (_exact(node.args[0]) and _exact(node.args[2])) \
+                or _dtype(node.args[0]) != _dtype(node.args[2]):
+            return None
+        x, s, y = node.args
+        return lambda: self._set(node, (x, self.cast(s, _dtype(x), _device(x)), y))
 
 
 def _fake_ones(graph: fx.Graph) -> torch.Tensor:
@@ -394,38 +423,71 @@ def _last_placeholder(graph: fx.Graph) -> fx.Node:
         if node.op != "placeholder":
             break
         last = node
-    assert last is not None
+    if last is None:
+        raise RuntimeError("float_inputs: a graph with a float input has no placeholder")
     return last
 
 
+def _describe(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(
+        node.target, "__name__", str(node.target))
+    return f"{target} ({node.name})"
+
+
 def tensorify_float_inputs(gm: fx.GraphModule) -> int:
-    """Rewrite ``gm`` (Dynamo's graph) so the dynamic float inputs it knows how to keep are
-    used as tensors (see the module docstring). Returns the number of uses rewritten."""
+    """Keep the dynamic float inputs of ``gm`` (Dynamo's graph) graph inputs where every use
+    can take a tensor, and bake the others (see the module docstring). Returns the number of
+    uses rewritten; raises Dynamo's ``TensorifyScalarRestartAnalysis`` (Dynamo restarts the
+    frame with those floats baked) when some float has a use this module does not keep."""
+    graph = gm.graph
+    roots = {s: n for n in graph.nodes if (s := _root_symbol(n)) is not None}
+    if not roots:
+        return 0
+    ours = frozenset(roots)
     rewriter = _Rewriter(gm)
-    rewritten = 0
-    for node in list(rewriter.graph.nodes):
-        syms = [a for a in node.all_input_nodes if _is_free_float(a)]
-        if not syms or isinstance(node.meta.get("example_value"), torch.SymFloat):
-            continue  # float arithmetic stays: the twin of its result replays it
-        for sym in syms:
-            rewriter.twin(sym)
-        if rewriter.rewrite(node):
-            rewritten += 1
-    for cast in rewriter.casts.values():  # of uses left as they were
-        if not cast.users and cast not in rewriter.twins.values():
-            rewriter.graph.erase_node(cast)
-    for twin in rewriter.twins.values():
-        if not twin.users:
-            rewriter.graph.erase_node(twin)
-    if rewriter.one is not None and not rewriter.one.users:
-        rewriter.graph.erase_node(rewriter.one)
-    if rewritten:
-        rewriter.graph.lint()
+    syms: set[fx.Node] = set()  # SymFloat nodes computed from the dynamic floats
+    baked: dict[Any, str] = {}  # float symbol -> the use that bakes it
+    plans: list[Apply] = []
+    for node in graph.nodes:
+        symbols = _float_symbols(node)
+        if symbols & ours:
+            is_root = node.op == "call_method" and node.target == "item"
+            arithmetic = node.op == "call_function" and node.target in _ARITHMETIC \
+                and not node.kwargs and all(a in syms or _number(a) for a in node.args)
+            if symbols <= ours and (is_root or arithmetic):
+                syms.add(node)
+            else:
+                baked.update({s: _describe(node) for s in symbols & ours})
+            continue
+        used = [a for a in node.all_input_nodes if a in syms]
+        if not used:
+            continue
+        apply = rewriter.plan(node, syms)
+        if apply is None:
+            for a in used:
+                baked.update({s: _describe(node) for s in _float_symbols(a) & ours})
+        else:
+            plans.append(apply)
+    if baked:
+        _bake(roots, baked)
+    for apply in plans:
+        apply()
+    if plans:
+        graph.lint()
         gm.recompile()
-    return rewritten
+    return len(plans)
 
 
-def _is_free_float(node: fx.Node) -> bool:
-    """True for a SymFloat Dynamo has not specialized (a float input made dynamic)."""
-    value = node.meta.get("example_value")
-    return isinstance(value, torch.SymFloat) and bool(value.node.expr.free_symbols)
+def _bake(roots: dict[Any, fx.Node], baked: dict[Any, str]) -> None:
+    """Have Dynamo restart the frame with the floats ``baked`` as constants (what AOTAutograd's
+    tensorify pass does for a float it cannot keep), before anything is rewritten."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    for symbol, use in baked.items():
+        source = roots[symbol].args[0]
+        log.info('backend="spmd": the float input %s is used by %s, which needs a Python '
+                 "number: Dynamo bakes its value into the graph (a change recompiles)",
+                 getattr(source, "target", source), use)
+        TensorifyState.specialize(str(symbol))
+    raise TensorifyScalarRestartAnalysis
