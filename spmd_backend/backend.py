@@ -37,8 +37,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from spmd_backend import pipeline
-from spmd_backend.dynamo import audit, graphs, per_graph, scope, step_cache
-from spmd_backend.dynamo.float_inputs import tensorify_float_inputs
+from spmd_backend.dynamo import audit, float_inputs, graphs, per_graph, scope, step_cache
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.fused_operands import MISMATCH_ADVICE, fused_operand_mismatch
@@ -238,7 +237,15 @@ def spmd_dynamo_backend(
     config.parallel.process_group()  # raises on every rank without a process group
     scope.raise_refusal()  # an optimizer that shard_optimizer cannot serve
     _refuse_compiled_autograd(gm)
-    tensorify_float_inputs(gm)  # a scheduler's float stays an input: no recompile per value
+    float_inputs.tensorify_float_inputs(gm)  # a scheduler's float stays an input: no recompile per value
+    try:
+        return _compile(gm, example_inputs, config)
+    finally:
+        float_inputs.forget_baked()  # this frame's bake requests are served
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: PipelineConfig) -> Any:
+    """The rest of :func:`spmd_dynamo_backend`, once the float inputs are settled."""
     inputs = graphs.classify_inputs(gm)
     pipeline.sync(inputs.state_tensors(), config, inputs.state_names())  # verified, then broadcast
     hooked = {i: p for i, p in inputs.params.items() if p.requires_grad}

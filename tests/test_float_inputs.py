@@ -70,14 +70,13 @@ def test_pass_rewrites_scalar_uses_and_keeps_the_results():
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("use", ["clamp", "bfloat16", "sqrt"])
+@pytest.mark.parametrize("use", ["clamp", "bfloat16", "tensor_pow"])
 def test_a_float_with_a_use_it_cannot_keep_is_baked_whole(use):
     """One use the pass does not keep bakes the float for the whole frame: nothing is
     rewritten and Dynamo is asked to restart with the value baked. Keeping it in ``x * s`` and
     baking it in ``x.clamp(max=s)`` is what AOTAutograd's tensorify does on its own, without a
     restart; the AOTAutograd cache then served the first value's graph to later values (stock
     torch.compile too), and after cc620ef a bfloat16 Adam's moving beta1 was stale so."""
-    import math
 
     from torch._dynamo.exc import TensorifyScalarRestartAnalysis
     from torch._dynamo.symbolic_convert import TensorifyState
@@ -88,7 +87,7 @@ def test_a_float_with_a_use_it_cannot_keep_is_baked_whole(use):
             return y, x.clamp(max=s)
         if use == "bfloat16":
             return y, x.bfloat16().mul_(s)
-        return y, x * math.sqrt(s)
+        return y, x.abs().pow(s)
 
     x = torch.randn(8)
     gm = _dynamic_graph(fn, (x, 0.5), (x, 0.25))
@@ -101,6 +100,69 @@ def test_a_float_with_a_use_it_cannot_keep_is_baked_whole(use):
     finally:
         TensorifyState.clear()
     assert gm.code == before
+
+
+def test_float_arithmetic_and_comparisons_keep_the_float(fake_pg):
+    """``s ** 2``, ``max(s, c)``, ``math.sqrt(s)`` and ``torch.where(g > s, ...)`` in a user's
+    update: tensorify replays the arithmetic and a comparison takes a 0-dim tensor, so the float
+    stays an input (two compiles) and every call matches eager."""
+    import math
+
+    from torch._dynamo.utils import counters
+
+    def step(model, x, s):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                g = torch.where(p.grad.abs() > s * 0.01, p.grad, p.grad * 0.5)
+                p.sub_(g * (s ** 2) * max(s, 0.05) / math.sqrt(s))
+                p.grad = None
+        return loss.detach()
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(step, backend="spmd", options={"inductor": False, "reduce_op": "sum"})
+    with torch._dynamo.config.patch(recompile_limit=4):
+        for i, s in enumerate([0.5, 0.25, 0.3, 0.2, 0.1, 0.4]):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            compiled(model, x, s)
+            step(twin, x, s)
+    assert counters["spmd"]["whole_step_graphs"] == 2, dict(counters["spmd"])
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_a_float_baked_for_one_step_is_not_baked_for_another(fake_pg):
+    """Dynamo keeps bake requests (``TensorifyState``) across frames and float symbol names
+    repeat: a bfloat16 step whose lr is baked made a later float32 step bake its own float too,
+    recompiling on every value. The requests are dropped once their frame has compiled."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    low = nn.Linear(8, 2).bfloat16()
+    full = nn.Linear(8, 2)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (low, full)]
+    options = {"inductor": False, "reduce_op": "sum"}
+    first = torch.compile(lambda m, o, x: train_step(m, o, x), backend="spmd", options=options)
+    second = torch.compile(lambda m, o, x: train_step(m, o, x), backend="spmd", options=options)
+    with torch._dynamo.config.patch(recompile_limit=10):
+        for i in range(3):
+            for o in opts:
+                o.param_groups[0]["lr"] = 0.1 / (i + 1)
+            first(low, opts[0], torch.randn(4, 8).bfloat16())  # baked: a graph per value
+        assert TensorifyState.empty()
+        before = counters["spmd"]["whole_step_graphs"]
+        for i in range(5):
+            opts[1].param_groups[0]["lr"] = 0.1 / (i + 1)
+            second(full, opts[1], torch.randn(4, 8))
+    assert counters["spmd"]["whole_step_graphs"] - before == 2, dict(counters["spmd"])
 
 
 def _clamped_sgd_step(model, x, s):

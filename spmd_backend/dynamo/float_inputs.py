@@ -19,7 +19,7 @@ input, all or nothing:
   (replaying ``-lr``, ``1 - beta``, ``lr * wd`` in IEEE double like Python) and counts as kept;
   the float stays a graph input and a schedule never recompiles;
 * any other use (an op whose scalar semantics a tensor would change, a bfloat16 or float16
-  operand, float arithmetic other than ``+ - * /``): the float is specialized for the whole
+  operand, float arithmetic tensorify cannot replay): the float is specialized for the whole
   frame (``TensorifyState``, then a restart of Dynamo's analysis, as tensorify itself does): its
   value is baked into the graph and guarded, so a change recompiles, and at the recompile limit
   :mod:`spmd_backend.dynamo.audit` refuses the call before it runs. Never half of each.
@@ -29,7 +29,9 @@ computes exactly what the Python number does; low-precision kernels round scalar
 per op and per code path):
 
 * ``x op s``, ``s op x``, in place or not, for ``+ - * /`` (``s / x`` as eager computes it,
-  ``x.reciprocal() * s``): the scalar as a 0-dim tensor of ``x``'s dtype;
+  ``x.reciprocal() * s``) and the comparisons: the scalar as a 0-dim tensor of ``x``'s dtype;
+  float arithmetic on ``s`` before that (``+ - * / **``, ``abs``, ``max``, ``min``,
+  ``math.sqrt``) is replayed by the twin;
 * ``x.add(y, alpha=s)`` / ``sub`` and ``_foreach_add(xs, ys, alpha=s)`` / ``_foreach_sub``, with
   ``x`` and ``y`` of one dtype: ``y * s`` added, which is what torch's optimizers do with a tensor
   lr under ``torch.compile``; the product is rounded where eager's fused multiply-add is not (at
@@ -66,7 +68,17 @@ log = logging.getLogger(__name__)
 #: float arithmetic on a dynamic float that the twin replays (tensorify interprets its
 #: expression): anything else bakes the float
 _ARITHMETIC: frozenset = frozenset(
-    {operator.neg, operator.add, operator.sub, operator.mul, operator.truediv}
+    {
+        operator.neg, operator.add, operator.sub, operator.mul, operator.truediv, operator.pow,
+        operator.abs, torch.sym_max, torch.sym_min, torch._sym_sqrt,
+    }
+)
+#: comparisons of a tensor with the float (``torch.where(g > s, ...)``): a 0-dim tensor of the
+#: tensor's dtype compares as the Python number does
+_COMPARISON_METHODS: frozenset = frozenset({"gt", "lt", "ge", "le", "eq", "ne"})
+_COMPARISONS: frozenset = frozenset(
+    {operator.gt, operator.lt, operator.ge, operator.le, operator.eq, operator.ne,
+     torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne}
 )
 #: binary tensor methods / functions whose operand may be a Python number or a 0-dim tensor
 _METHODS: frozenset = frozenset({"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_"})
@@ -220,10 +232,12 @@ class _Rewriter:
             return self._binary(node, inplace=node.target.endswith("_"))
         if node.op == "call_method" and node.target == "lerp_":
             return self._lerp(node)
+        if node.op == "call_method" and node.target in _COMPARISON_METHODS:
+            return self._binary(node, inplace=False)
         if node.op != "call_function":
             return None
         target = node.target
-        if target in _FUNCTIONS:
+        if target in _FUNCTIONS or target in _COMPARISONS:
             return self._binary(node, inplace=target in _INPLACE_FUNCTIONS)
         if target in (operator.pow, torch.pow):
             return self._scalar_base_pow(node)
@@ -478,6 +492,23 @@ def tensorify_float_inputs(gm: fx.GraphModule) -> int:
     return len(plans)
 
 
+#: float symbols this module had Dynamo bake, until the restarted compile is done
+_BAKED: set[str] = set()
+
+
+def forget_baked() -> None:
+    """Drop this module's bake requests once the frame they were for has compiled (or
+    failed): Dynamo keeps ``TensorifyState`` across frames, and symbol names repeat, so a float
+    of a later frame (another step, a resume function) would be baked too and recompile on
+    every value. Not before the restarted compile's AOTAutograd has run: its tensorify pass
+    would find the baked float unrequested and restart again."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    for name in _BAKED:
+        TensorifyState.force_specializations.discard(name)
+    _BAKED.clear()
+
+
 def _bake(roots: dict[Any, fx.Node], baked: dict[Any, str]) -> None:
     """Have Dynamo restart the frame with the floats ``baked`` as constants (what AOTAutograd's
     tensorify pass does for a float it cannot keep), before anything is rewritten."""
@@ -489,5 +520,7 @@ def _bake(roots: dict[Any, fx.Node], baked: dict[Any, str]) -> None:
         log.info('backend="spmd": the float input %s is used by %s, which needs a Python '
                  "number: Dynamo bakes its value into the graph (a change recompiles)",
                  getattr(source, "target", source), use)
+        if not TensorifyState.should_specialize(str(symbol)):
+            _BAKED.add(str(symbol))  # one of tensorify's own requests is not ours to drop
         TensorifyState.specialize(str(symbol))
     raise TensorifyScalarRestartAnalysis
