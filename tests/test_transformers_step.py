@@ -109,3 +109,33 @@ def test_gradient_checkpointing_with_dropout_matches_eager(fake_pg, reentrant):
         torch.testing.assert_close(loss, lm_step(twin, twin_opt, ids).loss)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_the_labels_step_is_one_graph_through_dynamo(fake_pg, caplog):
+    """``model(input_ids=ids, labels=ids).loss`` through ``backend="spmd"``: transformers'
+    ``loss_function`` calls ``logger.warning_once`` when ``config.loss_type`` is unset (every
+    model built from a config), a ``logging.Logger`` call Dynamo does not trace: until
+    2026-11-28 the step fell back to per-graph mode. The warning is made while tracing (once, as
+    eager prints it) and the step is one graph that matches eager, under a warmup schedule that
+    starts at lr = 0 (transformers' own)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = gpt2()
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01) for m in (model, twin)]
+    scheds = [transformers.get_linear_schedule_with_warmup(o, 2, 10) for o in opts]
+    compiled = torch.compile(lm_step, backend="spmd", options={"inductor": False, "reduce_op": "sum"})
+    for i in range(5):
+        ids = torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(i))
+        compiled(model, opts[0], ids)
+        lm_step(twin, opts[1], ids)
+        for s in scheds:
+            s.step()
+    assert counters["spmd"]["per_graph_graphs"] == 0, dict(counters["spmd"])
+    assert counters["spmd"]["whole_step_graphs"] == 2, dict(counters["spmd"])  # lr 0, then dynamic
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert not p.isnan().any()
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

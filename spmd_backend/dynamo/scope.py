@@ -26,6 +26,9 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
 * replays attribute stores on an optimizer object (torch 2.13 drops them), and a ``.grad``
   store on a parameter rebound by an in-place operator (``p -= lr * p.grad; p.grad = None``,
   which torch 2.13 drops too);
+* drops a logger call at a level the logger does not emit and makes a ``*_once`` call
+  (transformers' ``warning_once`` in every model's ``loss_function``) while tracing, instead
+  of breaking the graph;
 * traces the fused optimizers (``_fused_adam``...) Dynamo otherwise skips, and
   ``GradScaler.scale`` (a scaled backward per micro-batch inside a loop), handing a fused
   kernel a dynamic ``lr`` (a scheduler's float) as a tensor so it stays a graph input
@@ -60,6 +63,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -286,6 +290,42 @@ def _fused_lr_as_tensor() -> Patch:
     return (TorchInGraphFunctionVariable, "call_function", call_function)
 
 
+#: logger methods -> the level they emit at
+_LOG_LEVELS = {
+    "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+    "warn": logging.WARNING, "error": logging.ERROR, "exception": logging.ERROR,
+    "critical": logging.CRITICAL, "info_once": logging.INFO, "warning_once": logging.WARNING,
+}
+
+
+def _logger_calls_traced() -> Patch:
+    """A ``logging.Logger`` call in the step broke the graph (Dynamo traces none): every
+    transformers model's ``loss_function`` calls ``logger.warning_once`` when
+    ``config.loss_type`` is unset, so the standard ``model(ids, labels=ids).loss`` step fell back
+    to per-graph mode. A call at a level the logger does not emit is dropped (eager prints
+    nothing either); a ``*_once`` call with constant arguments is made while tracing (it prints
+    once, as eager's first call does). Any other logger call still breaks the graph."""
+    from torch._dynamo.variables.constant import ConstantVariable
+    from torch._dynamo.variables.misc import LoggingLoggerVariable
+
+    original = LoggingLoggerVariable.call_method
+
+    def call_method(self: Any, tx: Any, name: str, args: Any, kwargs: Any) -> Any:
+        level = _LOG_LEVELS.get(name)
+        logger = self.value
+        if level is not None and not tx.export and isinstance(logger, logging.Logger):
+            if not logger.isEnabledFor(level):
+                return ConstantVariable.create(None)
+            values = [*args, *kwargs.values()]
+            if name.endswith("_once") and all(v.is_python_constant() for v in values):
+                getattr(logger, name)(*(a.as_python_constant() for a in args),
+                                      **{k: v.as_python_constant() for k, v in kwargs.items()})
+                return ConstantVariable.create(None)
+        return original(self, tx, name, args, kwargs)
+
+    return (LoggingLoggerVariable, "call_method", call_method)
+
+
 def _return_loss_detached() -> Patch:
     """``return loss`` after ``loss.backward()``: return it detached, not restart the frame."""
     from torch._dynamo.output_graph import OutputGraph, collect_reachable_grad_fns
@@ -369,7 +409,8 @@ def _patches() -> list[Patch]:
     traceable = _optimizer_functions()
     return [
         _inline_disabled(traceable), _skipped_calls(traceable), _init_group_traced(),
-        _fused_lr_as_tensor(), _return_loss_detached(), _backward_of_upstream_loss(), _grad_scaler_scale_traced(),
+        _fused_lr_as_tensor(), _logger_calls_traced(), _return_loss_detached(),
+        _backward_of_upstream_loss(), _grad_scaler_scale_traced(),
         *faults.fault_patches(),
     ]
 
