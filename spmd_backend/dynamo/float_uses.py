@@ -106,8 +106,9 @@ class UseRewriter:
     """One graph's plan: which dynamic floats are kept, and the rewrite of each use."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
         self.graph = gm.graph
+        #: the SymFloat nodes computed from the dynamic floats (set by the planner)
+        self.syms: set[fx.Node] = set()
         self.twins: dict[fx.Node, fx.Node] = {}
         self.casts: dict[tuple[fx.Node, torch.dtype, str | None], fx.Node] = {}
         self.one: fx.Node | None = None
