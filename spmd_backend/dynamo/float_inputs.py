@@ -50,6 +50,8 @@ _ARITHMETIC: frozenset = frozenset(
         operator.abs, torch.sym_max, torch.sym_min, torch._sym_sqrt,
     }
 )
+
+
 def _float_symbols(node: fx.Node) -> frozenset:
     value = node.meta.get("example_value")
     if not isinstance(value, torch.SymFloat):
@@ -89,15 +91,15 @@ def tensorify_float_inputs(gm: fx.GraphModule) -> int:
     roots = {s: n for n in graph.nodes if (s := _root_symbol(n)) is not None}
     if not roots:
         return 0
-    ours = frozenset(roots)
-    rewriter = UseRewriter(gm)
+    ours, root_nodes = frozenset(roots), set(roots.values())
     syms: set[fx.Node] = set()  # SymFloat nodes computed from the dynamic floats
+    rewriter = UseRewriter(gm, syms)
     baked: dict[Any, str] = {}  # float symbol -> the use that bakes it
     plans: list[Apply] = []
     for node in graph.nodes:
         symbols = _float_symbols(node)
         if symbols & ours:
-            is_root = node.op == "call_method" and node.target == "item"
+            is_root = node in root_nodes
             arithmetic = node.op == "call_function" and node.target in _ARITHMETIC \
                 and not node.kwargs and all(a in syms or number(a) for a in node.args)
             if symbols <= ours and (is_root or arithmetic):
@@ -108,7 +110,7 @@ def tensorify_float_inputs(gm: fx.GraphModule) -> int:
         used = [a for a in node.all_input_nodes if a in syms]
         if not used:
             continue
-        apply = rewriter.plan(node, syms)
+        apply = rewriter.plan(node)
         if apply is None:
             for a in used:
                 baked.update({s: _describe(node) for s in _float_symbols(a) & ours})

@@ -105,10 +105,10 @@ def number(arg: Any) -> bool:
 class UseRewriter:
     """One graph's plan: which dynamic floats are kept, and the rewrite of each use."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, syms: set[fx.Node]) -> None:
         self.graph = gm.graph
-        #: the SymFloat nodes computed from the dynamic floats (set by the planner)
-        self.syms: set[fx.Node] = set()
+        #: the SymFloat nodes computed from the dynamic floats (the planner adds to it)
+        self.syms = syms
         self.twins: dict[fx.Node, fx.Node] = {}
         self.casts: dict[tuple[fx.Node, torch.dtype, str | None], fx.Node] = {}
         self.one: fx.Node | None = None
@@ -144,39 +144,34 @@ class UseRewriter:
                                               value=_fake_ones(self.graph))
         return self.twins[node]
 
-    def cast(self, sym: fx.Node, dtype: torch.dtype, device: torch.device | None = None,
-             *, fresh: bool = False) -> fx.Node:
-        """``sym``'s twin as a 0-dim tensor of ``dtype`` (on ``device`` if given), right after
-        the twin. Shared between uses unless ``fresh`` (a copy a use may write to)."""
+    def cast(self, sym: fx.Node, dtype: torch.dtype, device: torch.device | None = None) -> fx.Node:
+        """``sym``'s twin as a 0-dim tensor of ``dtype`` (on ``device`` if given), shared by
+        the uses that need the same."""
         twin = self.twin(sym)
         key = (twin, dtype, str(device) if device is not None else None)
-        if fresh or key not in self.casts:
+        if key not in self.casts:
             value = value_of(twin)
             same = value.dtype == dtype and (device is None or value.device == device)
-            if same and not fresh:
-                self.casts[key] = twin
-            else:
-                kwargs: dict[str, Any] = {"dtype": dtype}
-                if device is not None:
-                    kwargs["device"] = device
-                if fresh:
-                    kwargs["copy"] = True
-                with self.graph.inserting_after(twin):
-                    cast = self._call("call_method", "to", (twin,), kwargs)
-                if fresh:
-                    return cast
-                self.casts[key] = cast
+            self.casts[key] = twin if same else self._to(twin, dtype, device)
         return self.casts[key]
 
+    def _to(self, twin: fx.Node, dtype: torch.dtype, device: torch.device | None,
+            **extra: Any) -> fx.Node:
+        """``twin.to(dtype, device, **extra)``, right after the twin."""
+        kwargs: dict[str, Any] = {"dtype": dtype, **extra}
+        if device is not None:
+            kwargs["device"] = device
+        with self.graph.inserting_after(twin):
+            return self._call("call_method", "to", (twin,), kwargs)
+
     # ------------------------------------------------------------------ plans
-    def plan(self, node: fx.Node, syms: set[fx.Node]) -> Apply | None:
-        """How to rewrite ``node``'s uses of the dynamic floats ``syms``; None when it is not
-        a use this module keeps (the floats it uses are then baked)."""
-        self.syms = syms
+    def plan(self, node: fx.Node) -> Apply | None:
+        """How to rewrite ``node``'s uses of the dynamic floats (:attr:`syms`); None when it
+        is not a use this module keeps (the floats it uses are then baked)."""
         if node.op == "call_method" and node.target in _METHODS:
             return self._binary(node, inplace=node.target.endswith("_"))
-        if node.op == "call_method" and node.target == "lerp_":
-            return self._lerp(node)
+        if node.op == "call_method" and node.target == "lerp_":  # x.lerp_(end, s)
+            return self._scalar_between_tensors(node, 2)
         if node.op == "call_method" and node.target in _COMPARISON_METHODS:
             return self._binary(node, inplace=False)
         if node.op != "call_function":
@@ -194,8 +189,8 @@ class UseRewriter:
             return self._full_like(node)
         if target is torch.scalar_tensor:
             return self._scalar_tensor(node)
-        if target is torch.ops.prims.fma.default:
-            return self._fma(node)
+        if target is torch.ops.prims.fma.default:  # Dynamo's form of addcdiv_(value=s)
+            return self._scalar_between_tensors(node, 1)
         return None
 
     def _sym(self, arg: Any) -> bool:
@@ -251,13 +246,20 @@ class UseRewriter:
 
         return keep
 
-    def _lerp(self, node: fx.Node) -> Apply | None:
-        if len(node.args) != 3 or node.kwargs or not self._sym(node.args[2]) \
-                or not (_exact(node.args[0]) and _exact(node.args[1])) \
-                or _dtype(node.args[0]) != _dtype(node.args[1]):
+    def _scalar_between_tensors(self, node: fx.Node, at: int) -> Apply | None:
+        """Three operands, ``s`` at ``at`` and two tensors of one exact dtype (``lerp_``'s
+        weight, ``prims.fma(x, s, y)``): ``s`` as a 0-dim tensor of that dtype."""
+        args = list(node.args)
+        tensors = [a for i, a in enumerate(args) if i != at]
+        if len(args) != 3 or node.kwargs or not self._sym(args[at]) \
+                or not all(_exact(t) for t in tensors) or _dtype(tensors[0]) != _dtype(tensors[1]):
             return None
-        x, end, s = node.args
-        return lambda: self._set(node, (x, end, self.cast(s, _dtype(x), _device(x))))
+
+        def keep() -> None:
+            args[at] = self.cast(args[at], _dtype(tensors[0]), _device(tensors[0]))
+            self._set(node, tuple(args))
+
+        return keep
 
     def _scalar_base_pow(self, node: fx.Node) -> Apply | None:
         if len(node.args) != 2 or node.kwargs or not self._sym(node.args[0]) \
@@ -341,20 +343,12 @@ class UseRewriter:
         device = torch.device(device) if device is not None else None
 
         def keep() -> None:
-            fresh = self.cast(node.args[0], dtype, device, fresh=True)  # the caller may write it
+            # a copy of its own: the caller may write it
+            fresh = self._to(self.twin(node.args[0]), dtype, device, copy=True)
             node.replace_all_uses_with(fresh)
             self.graph.erase_node(node)
 
         return keep
-
-    def _fma(self, node: fx.Node) -> Apply | None:
-        """``prims.fma(x, s, y)``: Dynamo's form of ``y.addcdiv_(t1, t2, value=s)``."""
-        if len(node.args) != 3 or node.kwargs or not self._sym(node.args[1]) \
-                or not (_exact(node.args[0]) and _exact(node.args[2])) \
-                or _dtype(node.args[0]) != _dtype(node.args[2]):
-            return None
-        x, s, y = node.args
-        return lambda: self._set(node, (x, self.cast(s, _dtype(x), _device(x)), y))
 
 
 def _fake_ones(graph: fx.Graph) -> torch.Tensor:

@@ -29,14 +29,15 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from spmd_backend.graph import ops
 from spmd_backend.graph.meta import inherit
 from spmd_backend.graph.utils import fake_mode_of, propagate_val
 
 aten = torch.ops.aten
 
 
-def _call(node: fx.Node, target: object) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+def _call(node: object, target: object) -> bool:
+    return isinstance(node, fx.Node) and ops.is_call_to(node, target)
 
 
 def _step_size_term(term: object, neg: fx.Node) -> object | None:
@@ -93,8 +94,8 @@ def fold_step_size_after_eps(graph: fx.Graph) -> int:
         if found is not None:
             _rewrite(graph, node, found, mode)
             count += 1
-    if count:
-        graph.lint()
+    if count:  # the old denominators' chains
+        graph.eliminate_dead_code(is_impure_node=ops.has_side_effect)
     return count
 
 
@@ -130,19 +131,5 @@ def _rewrite(graph: fx.Graph, node: fx.Node, found: tuple, mode: object) -> None
     if out.meta["val"].dtype != dtype:
         out = b.call(aten._to_copy.default, out, dtype=dtype)
     node.replace_all_uses_with(out)
-    old = node.args[2]
     graph.erase_node(node)
-    _erase_unused(graph, [old])
 
-
-def _erase_unused(graph: fx.Graph, roots: list[fx.Node]) -> None:
-    """Erase ``roots`` and the inputs they alone used (the old denominator's chain)."""
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, fx.Node) or node.users or node.op != "call_function" \
-                or node.is_impure():
-            continue
-        inputs = list(node.all_input_nodes)
-        graph.erase_node(node)
-        stack.extend(inputs)
