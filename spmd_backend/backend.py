@@ -37,7 +37,15 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from spmd_backend import pipeline
-from spmd_backend.dynamo import audit, float_inputs, graphs, per_graph, scope, step_cache
+from spmd_backend.dynamo import (
+    audit,
+    float_inputs,
+    fresh_state,
+    graphs,
+    per_graph,
+    scope,
+    step_cache,
+)
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.fused_operands import MISMATCH_ADVICE, fused_operand_mismatch
@@ -364,6 +372,7 @@ def _checked_before_each_call(
     def run(*args: Any) -> Any:
         if check is not None:
             check()
+        fresh_state.refresh()  # fresh optimizer state of parameters not updated yet
         if params:
             audit.refuse_gradient_hooks(params, fqns)
         if not warned[0]:

@@ -3,7 +3,8 @@
 What it creates must be what the optimizer's first step would create: training from it equals
 training from a fresh optimizer, bit for bit. It must touch nothing else (gradients, SGD's
 value-dependent buffer, optimizers with state, classes that are not torch's), and a compile
-that fails must take it back.
+that fails must take it back. A parameter first updated calls later starts from the state eager
+makes then, from its group's settings of that call (Rprop's step size is the lr).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from spmd_backend.dynamo import fresh_state
 from spmd_backend.dynamo.fresh_state import create_fresh_state, optimizers_of_frame, remove_state
+from spmd_backend.parallel.sharded_state import shard_optimizer_state
+from spmd_backend.testing.steps import compiled_by
+from spmd_backend.tracing.sharding import ShardSpec
 
 
 def _model() -> nn.Module:
@@ -126,3 +131,101 @@ def test_a_compile_that_fails_takes_the_created_state_back():
     assert not opt.state
     assert all(p.grad is None for p in model.parameters())
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+
+
+@pytest.fixture(autouse=True)
+def _own_tracking(monkeypatch):
+    """Entries tracked by other tests (their objects not collected yet) stay out of these."""
+    monkeypatch.setattr(fresh_state, "_TRACKED", [])
+
+
+class _TwoHeads(nn.Module):
+    """A second head trained from the third call on (a curriculum, a multi-task schedule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head_a, self.head_b = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.head_b(h) if use_b else self.head_a(h)
+
+
+def _two_heads_step(model, opt, x, use_b):
+    model(x, use_b).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _late_head_run(step, name: str, calls: int = 6, between=lambda: None):
+    model = _TwoHeads()
+    opt = OPTIMIZERS[name](model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(calls):
+        between()
+        step(model, opt, torch.randn(5, 6, generator=gen), i >= 3)
+        sched.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_parameter_first_updated_later_starts_from_that_calls_settings(name):
+    eager_model, eager_opt = _late_head_run(_two_heads_step, name)
+    created, tracked = [], None
+
+    def created_first(model, opt, x, use_b):  # what the frame hook and the backend do per call
+        nonlocal tracked
+        if not created:
+            created.extend(create_fresh_state([opt]))
+            fresh_state.keep_fresh(created, None)
+            tracked = len(fresh_state._TRACKED)
+        fresh_state.refresh()
+        _two_heads_step(model, opt, x, use_b)
+
+    model, opt = _late_head_run(created_first, name)
+    assert len(created) == 6  # head_b's state too, made before its first update
+    # tracked only where the settings change the fresh state (not the Adam family's zeros)
+    assert tracked == (6 if name in ("asgd", "rprop") else 0)
+    assert not fresh_state._TRACKED  # every tracked entry was updated
+    for p, q in zip(eager_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    torch.testing.assert_close(opt.state_dict(), eager_opt.state_dict(), rtol=0, atol=0)
+
+
+def test_a_sharded_entry_is_remade_as_this_ranks_shard():
+    model = _TwoHeads()
+    opt = torch.optim.Rprop(model.parameters(), lr=0.1)
+    spec = ShardSpec(rank=1, world=2)
+    created = create_fresh_state([opt])
+    shard_optimizer_state(opt, spec)
+    fresh_state.keep_fresh(created, spec)
+    weight = model.head_b.weight
+    step_size = opt.state[weight]["step_size"]
+    opt.param_groups[0]["lr"] = 0.025
+    fresh_state.refresh()
+    assert opt.state[weight]["step_size"] is step_size  # in place: the graphs read this tensor
+    torch.testing.assert_close(step_size, spec.shard_of(torch.full_like(weight, 0.025)))
+
+
+def test_tracking_ends_with_the_entry():
+    model = _TwoHeads()
+    opt = torch.optim.Rprop(model.parameters(), lr=0.1)
+    fresh_state.keep_fresh(create_fresh_state([opt]), None)
+    saved = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(saved)  # new entries: the loaded state is the user's
+    opt.param_groups[0]["lr"] = 0.5
+    fresh_state.refresh()
+    assert not fresh_state._TRACKED
+    assert float(opt.state[model.head_b.bias]["step_size"][0]) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("name", ["rprop", "asgd"])
+def test_the_dynamo_door_starts_a_late_parameter_as_eager_does(fake_pg, name):
+    eager_model, eager_opt = _late_head_run(_two_heads_step, name)
+    torch._dynamo.reset()
+    model, opt = _late_head_run(compiled_by("dynamo", _two_heads_step), name)
+    for p, q in zip(eager_model.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
+    torch.testing.assert_close(opt.state_dict(), eager_opt.state_dict(), rtol=0, atol=1e-7)

@@ -487,10 +487,14 @@ def install() -> bool:
             _sharding.created = fresh_state.create_fresh_state(optimizers)
             try:
                 _prepare_sharding(optimizers)
-                return original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
+                compiled = original(code, globals, locals, builtins, closure, compiler_fn,
+                                    *args, **kwargs)
             except BaseException:
                 fresh_state.remove_state(_sharding.created)
                 raise
+            else:  # kept as eager would make them until their parameters are first updated
+                fresh_state.keep_fresh(_sharding.created, _sharding.spec)
+                return compiled
             finally:
                 _sharding = outer
 
