@@ -39,6 +39,7 @@ from torch._dynamo.utils import counters
 from spmd_backend import pipeline
 from spmd_backend.dynamo import (
     audit,
+    faults,
     float_inputs,
     fresh_state,
     graphs,
@@ -216,7 +217,8 @@ def _warn_on_recompiles(gm: fx.GraphModule) -> None:
         return
     counters["spmd"]["recompile_warned"] += 1
     log.warning(
-        'backend="spmd": Dynamo compiled this step %d times. It bakes Python numbers that change '
+        'backend="spmd": Dynamo compiled this step %d times. It recompiles for a new model, '
+        "optimizer or parameter, and bakes Python numbers that change "
         "between calls into each graph where it cannot keep them inputs (a fused optimizer's "
         "momentum or betas a scheduler moves, a scheduler's lr on bfloat16/float16 parameters, "
         "a number passed where an op needs a constant; TORCH_LOGS=recompiles names it); "
@@ -255,6 +257,7 @@ def spmd_dynamo_backend(
 def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: PipelineConfig) -> Any:
     """The rest of :func:`spmd_dynamo_backend`, once the float inputs are settled."""
     inputs = graphs.classify_inputs(gm)
+    graphs.guard_parameter_identity(gm, faults.OPTIMIZER_PARAMS)  # a replaced one recompiles
     pipeline.sync(inputs.state_tensors(), config, inputs.state_names())  # verified, then broadcast
     hooked = {i: p for i, p in inputs.params.items() if p.requires_grad}
     audit.refuse_gradient_hooks(hooked, inputs.fqns)

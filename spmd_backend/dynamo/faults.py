@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 #: (owner, attribute, replacement)
 Patch = tuple[Any, str, Any]
 
+#: ``id``s of the parameters held by the optimizers whose groups the frame being traced reads
+#: (guarded by identity there, :func:`_guard_optimizer_identity`; the scope clears it per
+#: frame): the backend guards the same objects where its graph reads them through the model
+OPTIMIZER_PARAMS: set[int] = set()
+
 
 def fault_patches() -> list[Patch]:
     """The patches for every fault below."""
@@ -56,7 +61,18 @@ def params_stay_graph_inputs() -> Patch:
     (its leaves are the frame's inputs), so a step that calls ``optimizer.zero_grad()`` before
     the forward, the order most training loops use, lost its backward. Parameters stay inputs
     here, whichever object the frame reaches them through first; the backend lowers without
-    CUDA graphs."""
+    CUDA graphs.
+
+    That marking was also the only guard on *which* parameters the optimizer holds and which
+    state belongs to which: the graph reads a group's parameters and the state's keys by
+    position and checks only their shapes. Without it, a cached graph kept stepping the
+    parameters and state it was traced with after the user re-pointed a group at a new head,
+    swapped two groups' parameters, stepped a second model's group, or loaded a checkpoint
+    that ordered the state differently (0.026 to 0.25 off eager, silently; stock
+    ``torch.compile`` recompiles). :func:`_guard_optimizer_identity` guards those identities
+    instead, and the backend the same parameters where the graph reads them through the model
+    (:data:`OPTIMIZER_PARAMS`); a module's own frame, which no optimizer reaches, keeps sharing
+    its graph between modules (the blocks of a model compiled in pieces)."""
     from torch._dynamo.variables.optimizer import OptimizerVariable
     from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
 
@@ -65,10 +81,39 @@ def params_stay_graph_inputs() -> Patch:
     def var_getattr(self: Any, tx: Any, name: str) -> Any:
         if name == "param_groups":
             self._set_capturable(tx)
+            _guard_optimizer_identity(self, tx)
             return UserDefinedObjectVariable.var_getattr(self, tx, name)
         return original(self, tx, name)
 
     return (OptimizerVariable, "var_getattr", var_getattr)
+
+
+def _guard_optimizer_identity(optimizer_vt: Any, tx: Any) -> None:
+    """Guard that every parameter of the optimizer's groups, and every key of its state, is
+    the object it was at trace time, at the same position (a new object recompiles)."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._dynamo.source import (
+        AttrSource,
+        ConstDictKeySource,
+        DictGetItemSource,
+        GetItemSource,
+    )
+    from torch._dynamo.variables import VariableTracker
+
+    if optimizer_vt.source is None:  # an optimizer made inside the frame: nothing cached
+        return
+    opt = optimizer_vt.value
+    groups = AttrSource(optimizer_vt.source, "param_groups")
+    for i, group in enumerate(opt.param_groups):
+        params = DictGetItemSource(GetItemSource(groups, i), "params")
+        for j, p in enumerate(group["params"]):
+            install_guard(GetItemSource(params, j).make_guard(GuardBuilder.ID_MATCH))
+            OPTIMIZER_PARAMS.add(id(p))
+    state = AttrSource(optimizer_vt.source, "state")
+    VariableTracker.build(tx, opt.state, state).realize()
+    tx.output.guard_on_key_order.add(state)
+    for k in range(len(opt.state)):
+        install_guard(ConstDictKeySource(state, k).make_guard(GuardBuilder.ID_MATCH))
 
 
 def capturable_stays_out_of_param_groups() -> list[Patch]:

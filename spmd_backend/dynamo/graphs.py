@@ -23,6 +23,7 @@ the compile door's tracer puts it) and :func:`annotate_phases` labels every node
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,26 @@ def classify_inputs(gm: fx.GraphModule) -> DynamoInputs:
             found.fqns[i] = source_fqn(source)
     found.attributes = [p for p in gm.parameters() if isinstance(p, nn.Parameter)]
     return found
+
+
+def guard_parameter_identity(gm: fx.GraphModule, held: Collection[int]) -> None:
+    """Guard that each parameter the graph reads that an optimizer of the frame holds (``id``
+    in ``held``) is the object it was at trace time.
+
+    Dynamo guards a parameter input on its shape and dtype only, and reads it through the
+    first source the frame reached it by (``model.head.weight``); the optimizer's group reaches
+    the same object, deduplicated into one input. After ``model.head = nn.Linear(...)`` with
+    the optimizer untouched, the cached graph stepped the new head with the old head's state
+    (eager leaves it alone: the optimizer does not hold it). Such a new object now recompiles
+    (the optimizer's side is guarded by :mod:`spmd_backend.dynamo.faults`). Called while Dynamo
+    compiles the frame (the backend runs inside its tracing context)."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+
+    for node in gm.graph.find_nodes(op="placeholder"):
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        if source is not None and id(getattr(grapharg, "example", None)) in held:
+            install_guard(source.make_guard(GuardBuilder.ID_MATCH))
 
 
 # ---------------------------------------------------------------------------- whole-step

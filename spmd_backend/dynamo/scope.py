@@ -476,6 +476,7 @@ def install() -> bool:
         outer = _sharding  # a frame compiled while another is (not expected)
         values = frame.frame_values(code, locals, globals, closure)
         with whole_step_scope(), frame.parameter_names(values):
+            faults.OPTIMIZER_PARAMS.clear()  # this frame's: filled while it is traced
             optimizers = fresh_state.optimizers_of_frame(code, locals, globals, closure)
             _sharding = _Sharding(*(sharded_update.spec_for(options) or (None, None)))
             refused = frame.refuse_ddp_wrapper(values)
