@@ -724,6 +724,34 @@ def test_fresh_process_uses_only_the_entry_point(imported):
     assert "trained with" in result.stdout
 
 
+def test_a_new_model_past_the_recompile_limit_is_refused_on_every_call(fake_pg):
+    """A new model and optimizer per fold recompile the step; past the limit Dynamo runs it
+    eagerly, and from then on without calling any hook. Until 2026-11-28 the first such model
+    was adopted (its gradients reduced in backward()) and every later one trained
+    unsynchronized, silently; now each such call is refused before it runs, until
+    ``torch._dynamo.reset()``."""
+    import spmd_backend
+
+    torch._dynamo.reset()
+    compiled = torch.compile(train_step, backend="spmd", options=FAST)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for fold in range(5):
+            torch.manual_seed(fold)
+            model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 2))
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            before = copy.deepcopy(model.state_dict())
+            if fold < 2:
+                compiled(model, opt, torch.randn(4, 8))
+                continue
+            with pytest.raises(spmd_backend.SpmdUsageError, match="torch._dynamo.reset()"):
+                compiled(model, opt, torch.randn(4, 8))
+            torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+            assert not opt.state and all(p.grad is None for p in model.parameters())
+        torch._dynamo.reset()
+        compiled(model, opt, torch.randn(4, 8))
+        assert opt.state
+
+
 def test_a_frame_without_a_trained_module_still_runs_eagerly_past_the_recompile_limit(fake_pg, caplog):
     """Only a frame that reaches a module whose gradients the audit watches is refused at the
     recompile limit; any other frame runs eagerly, as Dynamo runs it."""

@@ -13,7 +13,9 @@ calling the backend, computes each rank's gradients alone. Dynamo does so silent
 * it gives up on a frame while compiling it (a graph break it cannot resume from, its recompile
   limit, any error under ``torch._dynamo.config.suppress_errors``): the wrapper of ``_compile``
   refuses a frame at the recompile limit that reaches watched parameters before it runs
-  (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`), and otherwise has the gradient
+  (:func:`spmd_backend.dynamo.audit.refuse_eager_fallback`), or any trainable parameter on a
+  group of several ranks (a new model: past the limit Dynamo runs the frame eagerly without
+  calling any hook again, :func:`_refuse_past_the_limit`), and otherwise has the gradient
   audit watch the trainable parameters the frame reaches
   (:func:`spmd_backend.dynamo.audit.watch_skipped_frame`), so an eager gradient raises in
   ``backward()`` (before 2026-11-26: unsynchronized, silently, when no graph had seen them),
@@ -206,6 +208,34 @@ def _eager_gradients(options: dict[str, Any] | None) -> Callable[..., None] | No
     return None if registry is None else registry.adopt_frame
 
 
+def _refuse_past_the_limit(values: list[Any], code: Any, limit: str,
+                           options: dict[str, Any] | None) -> SpmdUsageError | None:
+    """The error for a frame at Dynamo's recompile ``limit`` that reaches a trainable parameter
+    the audit does not watch yet (a new model: the next fold of a cross-validation, a restart),
+    on a group of several ranks.
+
+    Past the limit Dynamo runs the frame eagerly for every call no compiled graph serves, and
+    from then on without calling any hook: adopting this model's gradients would have covered
+    this call only, and every later model trained unsynchronized (before 2026-11-28: folds 10
+    and 11 of a k-fold loop 0.05 off DDP, the ranks' replicas apart, silently)."""
+    parameter = trained_parameter(values)
+    if parameter is None:
+        return None
+    world = group_size(options)
+    if world <= 1:
+        return None
+    value = getattr(torch._dynamo.config, limit, "?")
+    return _error(
+        f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
+        (f"Dynamo compiled it up to its {limit} ({value}) and now runs it eagerly, without "
+         "calling the backend, for every call no compiled graph serves: each new model, "
+         "optimizer or parameter recompiles",
+         "call torch._dynamo.reset() before training a new model and optimizer (a new fold, a "
+         "restart), or raise torch._dynamo.config.recompile_limit; TORCH_LOGS=recompiles says "
+         "why it recompiled"),
+        world, parameter)
+
+
 def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any], bool],
                              options_of: Callable[[Any], dict[str, Any] | None]) -> Callable[..., Any]:
     """Wrap Dynamo's ``_compile`` so that a frame compiled for this backend that reached
@@ -231,7 +261,8 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
         exceeded, limit = convert_frame.exceeds_recompile_limit(a["cache_size"], a["compile_id"])
         if exceeded:
             refused = audit.refuse_eager_fallback(
-                values, a["code"], limit, getattr(torch._dynamo.config, limit, "?"))
+                values, a["code"], limit, getattr(torch._dynamo.config, limit, "?")) \
+                or _refuse_past_the_limit(values, a["code"], limit, options_of(compiler_fn))
             if refused is not None:
                 raise refused
         breaks = dict(counters["graph_break"])
