@@ -528,6 +528,35 @@ def test_scheduler_step_inside_the_step_is_refused_untouched(fake_pg, make_sched
             else sched.step()
 
 
+@pytest.mark.parametrize("given", ["none", "another"])
+def test_an_optimizer_the_step_was_not_given_is_refused_untouched(fake_pg, given):
+    """Reached through a closure (``make_step(opt)``) or a global, the optimizer's step traced
+    as nothing: until 2026-11-28 the first call returned without stepping (0.025 off DDP) and
+    the second raised about a captured tensor."""
+    model, opt = make()
+    other = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = snapshot(model, opt)
+
+    def make_step(optim):
+        def step(model, batch):
+            model(batch).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        return step
+
+    closure_step = make_step(opt)
+    if given == "none":
+        compiled, args = spmd_backend.compile()(closure_step), (model, torch.randn(2, 8))
+    else:
+        compiled = spmd_backend.compile()(lambda model, optim, batch: closure_step(model, batch))
+        args = (model, other, torch.randn(2, 8))
+    with pytest.raises(SpmdUsageError, match=r"calls Adam\.step\(\) of an optimizer it was not "
+                       r"given as an argument \(at .*test_bad_input.py.*Pass the optimizer"):
+        compiled(*args)
+    assert_untouched(before, model, opt)
+    assert not other.state
+
+
 def test_captured_real_tensor_is_named(fake_pg):
     model, opt = make()
     captured = torch.randn(4)

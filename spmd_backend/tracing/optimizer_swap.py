@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.dispatch import TraceContext
 from spmd_backend.tracing.hyperparams import HyperSlot, install, slot_value, traced_implementation
+from spmd_backend.tracing.key import user_hooks
 from spmd_backend.tracing.sharding import ShardedStep
 from spmd_backend.tracing.tracked import ReadRecorder, RecordingGroup
 
@@ -107,8 +108,8 @@ def _refuse_group_updates(opt: torch.optim.Optimizer, saved_groups: list[dict]) 
 
                 # ours is one of the instance's; a hook of the user's runs before it
                 hooks = (" (or a step pre-hook of the optimizer's)"
-                         if len(opt._optimizer_step_pre_hooks) > 1 or _global_optimizer_pre_hooks
-                         else "")
+                         if len(opt._optimizer_step_pre_hooks) > 1
+                         or user_hooks(_global_optimizer_pre_hooks) else "")
                 raise SpmdUsageError(
                     f"spmd_backend.compile: the train step{hooks} sets param_groups[{g}][{k!r}] "
                     f"({was} -> {now}) itself, outside {type(opt).__name__}.step() (a warmup "

@@ -58,6 +58,7 @@ from spmd_backend.tracing.shapes import ShapeGuard, symbolic_inputs
 from spmd_backend.tracing.sharding import ShardSpec
 from spmd_backend.tracing.step_function import StepFunction
 from spmd_backend.tracing.tracked import ReadRecorder
+from spmd_backend.tracing.unbound_optimizers import refuse_unbound_optimizers
 from spmd_backend.tracing.user_collectives import refuse_user_collectives
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ def trace_train_step(
                 torch.fx.traceback.preserve_node_meta(), lazy_graph_modules(), \
                 annotator.active(), torch.compiler._non_strict_tracing_context(), compiling(), \
                 refuse_scheduler_steps(), refuse_user_collectives(), traced_randomness(ctx.rng, random_generators(fn, binding.modules)), \
+                refuse_unbound_optimizers(binding.optimizer), \
                 data_assignment_as_copy(), traced_without_mask_decision():
             if symbolic is None:
                 gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
