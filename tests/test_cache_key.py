@@ -579,3 +579,39 @@ def test_a_size_that_changes_names_how_to_trace_it_symbolically(fake_pg, caplog)
         loss = marked(model, opt, spmd_backend.mark_dynamic(ids, [1]))
         torch.testing.assert_close(loss, step(twin, twin_opt, ids))
     assert marked.cache_size() == 1
+
+
+class _Tokens(nn.Module):
+    """A (batch, tokens, features) input through Linear layers: the trace views it as 2-D."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).mean(1)
+
+
+def test_a_batch_laid_out_differently_retraces_and_matches_eager(fake_pg, caplog):
+    """Same shape, other strides (a slice of a wider tensor, a transpose): until 2026-11-28 the
+    call failed in the replayed graph's ``view`` instead of retracing."""
+    torch.manual_seed(0)
+    model = _Tokens()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    compiled = spmd_backend.compile()(step)
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(4, 5, 12, generator=gen)
+    batches = [wide[..., :8].contiguous(), wide[..., :8], wide[..., 4:].clone(),
+               torch.randn(5, 4, 8, generator=gen).transpose(0, 1)]
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for x in batches:
+            torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+    assert compiled.trace_count == 3  # contiguous (twice), the slice, the transpose
+    assert retrace_messages(caplog)[0] == (
+        "spmd_backend: retracing train_step: argument args[2] changed from tensor(shape=[4, 5, 8], "
+        "dtype=torch.float32, device=cpu, requires_grad=False) to tensor(shape=[4, 5, 8], "
+        "dtype=torch.float32, device=cpu, requires_grad=False, strides=[60, 12, 1])")

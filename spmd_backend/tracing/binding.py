@@ -26,7 +26,7 @@ from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.buffer_views import find_buffer_views
 from spmd_backend.tracing.free_values import free_values
 from spmd_backend.tracing.hyperparams import HyperSlot, lifted_slots
-from spmd_backend.tracing.key import StepKey, global_context, hashable, tensor_spec
+from spmd_backend.tracing.key import StepKey, global_context, hashable, layout, tensor_spec
 from spmd_backend.tracing.object_state import (
     module_state,
     optimizer_attributes,
@@ -184,8 +184,8 @@ class StepBinding:
             dyn = self.dims_traced_dynamic(j)
             if dyn:
                 shape = tuple(("dyn", ">=2") if i in dyn else s for i, s in enumerate(leaf.shape))
-                return ("tensor", shape, leaf.dtype, leaf.device, leaf.requires_grad)
-            return ("tensor",) + tensor_spec(leaf)
+                return ("tensor", shape, leaf.dtype, leaf.device, leaf.requires_grad, layout(leaf))
+            return ("tensor",) + tensor_spec(leaf) + (layout(leaf),)
         if isinstance(leaf, nn.Module):
             return ("module", id(leaf))
         if isinstance(leaf, torch.optim.Optimizer):

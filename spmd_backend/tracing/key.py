@@ -50,6 +50,14 @@ def tensor_spec(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
+def layout(t: torch.Tensor) -> Any:
+    """How a tensor argument is laid out, as far as a trace depends on it: "contiguous", or
+    its strides (a slice of a wider tensor, a transpose, channels_last). A trace on one layout
+    can fail on another (a ``view`` of a transposed batch); until 2026-11-28 a batch of the
+    traced shape with other strides failed the compiled call instead of retracing."""
+    return "contiguous" if t.is_contiguous() else tuple(t.stride())
+
+
 # Computed for every call of a compiled step (the key), so these test an object's real type
 # (``type``/``issubclass``) rather than ``isinstance``, which also asks the object for its
 # ``__class__``: through a transformers config's ``__getattribute__`` that was a tenth of a
@@ -210,10 +218,11 @@ _LABELS = {
 
 
 def fmt(spec: Any) -> str:
-    if isinstance(spec, tuple) and len(spec) == 5 and spec[0] == "tensor":
-        shape, dtype, device, rg = spec[1:]
+    if isinstance(spec, tuple) and len(spec) in (5, 6) and spec[0] == "tensor":
+        shape, dtype, device, rg = spec[1:5]
         dims = [d[1] if isinstance(d, tuple) else d for d in shape]
-        return f"tensor(shape={dims}, dtype={dtype}, device={device}, requires_grad={rg})"
+        strides = "" if spec[5:] in ((), ("contiguous",)) else f", strides={list(spec[5])}"
+        return f"tensor(shape={dims}, dtype={dtype}, device={device}, requires_grad={rg}{strides})"
     if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "const":
         return repr(spec[1])
     return repr(spec)
@@ -262,7 +271,7 @@ def _explain_args(old: tuple, new: tuple, binding: Any) -> str | None:
 def shape_hint(old: Any, new: Any) -> str:
     """For a tensor argument whose sizes alone changed: how to trace those dims symbolically,
     so one graph serves every size (empty otherwise)."""
-    specs = [s for s in (old, new) if isinstance(s, tuple) and len(s) == 5 and s[0] == "tensor"]
+    specs = [s for s in (old, new) if isinstance(s, tuple) and len(s) in (5, 6) and s[0] == "tensor"]
     if len(specs) != 2 or specs[0][2:] != specs[1][2:] or len(specs[0][1]) != len(specs[1][1]):
         return ""
     dims = [d for d, (a, b) in enumerate(zip(specs[0][1], specs[1][1])) if a != b]
