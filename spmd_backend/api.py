@@ -23,6 +23,7 @@ import functools
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -149,6 +150,8 @@ class CompiledTrainStep:
                 self._last, f"switches graphs ({why or 'the call runs another cached graph'})")
         if entry is None:
             if self.cache_size() >= self.max_graphs:
+                self._drop_orphaned()
+            if self.cache_size() >= self.max_graphs:
                 raise SpmdUsageError(
                     f"spmd_backend.compile: {self._name} would need a new graph again "
                     f"({self.cache_size()} cached, limit {self.max_graphs}); this time because "
@@ -158,6 +161,19 @@ class CompiledTrainStep:
                 )
             entry = self._compile(binding, key, why)
         return self._run(entry, binding, last_train_step)
+
+    def _drop_orphaned(self) -> None:
+        """Forget the graphs traced for a module or optimizer that no longer exists (the
+        earlier folds of a cross-validation), so they do not count against ``max_graphs``:
+        until 2026-11-28 the ninth fresh model was refused although the others were gone."""
+        for key in list(self._cache):
+            kept = [e for e in self._cache[key] if not e.orphaned]
+            if kept:
+                self._cache[key] = kept
+            else:
+                del self._cache[key]
+        if self._last is not None and self._last.orphaned:
+            self._last = None
 
     def _finish_pending(self, entry: CompiledGraph, why: str) -> None:
         """Run the work ``entry``'s last call moved into the next iteration (an
@@ -301,6 +317,8 @@ class CompiledTrainStep:
             mode_effects=mode_effects,
             schedule=schedule,
             reason=why,
+            owners=tuple(weakref.ref(o) for o in (binding.module, binding.optimizer)
+                         if o is not None),
         )
         if not bootstrap:
             self._cache.setdefault(key, []).append(entry)

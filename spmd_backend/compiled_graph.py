@@ -10,6 +10,7 @@ switches the step itself made) and nothing mutable but the hyper-parameter cache
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,14 @@ class CompiledGraph:
     schedule: str = ""
     #: why it was traced ("first call", "argument 'which' changed from 1 to 2", ...)
     reason: str = ""
+    #: weak references to the module and optimizer it was traced for (the cache drops a graph
+    #: whose objects are gone when it would otherwise refuse a new one: a new model per fold)
+    owners: tuple[weakref.ref, ...] = ()
+
+    @property
+    def orphaned(self) -> bool:
+        """Whether the module or optimizer it was traced for no longer exists."""
+        return any(ref() is None for ref in self.owners)
 
     @property
     def layout(self) -> StepLayout:

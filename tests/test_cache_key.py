@@ -615,3 +615,26 @@ def test_a_batch_laid_out_differently_retraces_and_matches_eager(fake_pg, caplog
         "spmd_backend: retracing train_step: argument args[2] changed from tensor(shape=[4, 5, 8], "
         "dtype=torch.float32, device=cpu, requires_grad=False) to tensor(shape=[4, 5, 8], "
         "dtype=torch.float32, device=cpu, requires_grad=False, strides=[60, 12, 1])")
+
+
+def test_graphs_of_models_that_are_gone_do_not_count_against_max_graphs(fake_pg):
+    """A new model and optimizer per fold: each traces its own graph. Until 2026-11-28 the
+    fold past ``max_graphs`` was refused although the earlier models were gone."""
+    compiled = spmd_backend.compile(max_graphs=2)(step)
+    for fold in range(4):
+        torch.manual_seed(fold)
+        model = DropNorm()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled(model, opt, torch.randn(8, 8))
+        compiled(model, opt, torch.randn(8, 8))
+    assert compiled.trace_count == 4 and compiled.cache_size() <= 2
+    kept = [(model, opt)]  # alive: its graph stays and counts
+    for fold in range(2):
+        torch.manual_seed(fold)
+        model = DropNorm()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        kept.append((model, opt))
+        if fold == 0:
+            compiled(model, opt, torch.randn(8, 8))
+    with pytest.raises(SpmdUsageError, match="would need a new graph again"):
+        compiled(model, opt, torch.randn(8, 8))
