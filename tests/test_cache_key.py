@@ -638,3 +638,37 @@ def test_graphs_of_models_that_are_gone_do_not_count_against_max_graphs(fake_pg)
             compiled(model, opt, torch.randn(8, 8))
     with pytest.raises(SpmdUsageError, match="would need a new graph again"):
         compiled(model, opt, torch.randn(8, 8))
+
+
+class _CountingSGD(torch.optim.Optimizer):
+    """A third-party style optimizer that counts its steps in a Python int."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                p.add_(p.grad, alpha=-group["lr"] / state["step"] ** 0.5)
+
+
+def test_a_python_counter_in_optimizer_state_is_named_with_the_way_out(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = DropNorm()
+    opt = _CountingSGD(model.parameters())
+    compiled = spmd_backend.compile()(step)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for _ in range(3):
+            compiled(model, opt, torch.randn(8, 8))
+    assert retrace_messages(caplog)[-1] == (
+        "spmd_backend: retracing train_step: the optimizer state of 'fc1.weight': 'step', a "
+        "Python number, changed from 1 to 2. A number in optimizer state is a constant of the "
+        "graph, so an optimizer that counts in Python (a custom or third-party one) retraces on "
+        "every call: keep it a tensor (state['step'] = torch.tensor(0.0), incremented in place, "
+        'as torch.optim does), or compile the step with torch.compile(step, backend="spmd"), '
+        "which takes such a number as an input")

@@ -253,9 +253,32 @@ def _explain_tensors(field: str) -> Any:
             if a[0] != b[0]:
                 return f"{what} {names[i][0]!r} was replaced by another tensor"
             a, b = ("tensor",) + a[1:], ("tensor",) + b[1:]
+        if field == "state":
+            number = _state_number_change(a, b)
+            if number:
+                return f"{what} {names[i][0]!r}: {number}"
         return f"{what} {names[i][0]!r} changed from {fmt(a)} to {fmt(b)}"
 
     return explain
+
+
+def _state_number_change(old: Any, new: Any) -> str:
+    """For one parameter's optimizer state (``(key, spec)`` pairs) in which only a Python
+    number changed: which, and what to do (empty otherwise)."""
+    if not (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new)):
+        return ""
+    changed = [(ka, va, vb) for (ka, va), (kb, vb) in zip(old, new) if ka != kb or va != vb]
+    if len(changed) != 1:
+        return ""
+    k, a, b = changed[0]
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return ""
+    return (f"{k!r}, a Python number, changed from {a!r} to {b!r}. A number in optimizer state "
+            "is a constant of the graph, so an optimizer that counts in Python (a custom or "
+            "third-party one) retraces on every call: keep it a tensor (state['step'] = "
+            "torch.tensor(0.0), incremented in place, as torch.optim does), or compile the "
+            'step with torch.compile(step, backend="spmd"), which takes such a number as an '
+            "input")
 
 
 def _explain_args(old: tuple, new: tuple, binding: Any) -> str | None:
