@@ -53,7 +53,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> None
 def test_training_from_created_state_equals_training_from_a_fresh_optimizer(name):
     fresh, created_first = _model(), _model()
     opt_a, opt_b = OPTIMIZERS[name](fresh.parameters()), OPTIMIZERS[name](created_first.parameters())
-    created = create_fresh_state([opt_b])
+    created = create_fresh_state([opt_b], settings_dependent=True)
     assert len(created) == 4 and len(opt_b.state) == 4
     assert all(p.grad is None for p in created_first.parameters())  # stand-ins removed
     _train(fresh, opt_a)
@@ -175,10 +175,10 @@ def test_a_parameter_first_updated_later_starts_from_that_calls_settings(name):
     eager_model, eager_opt = _late_head_run(_two_heads_step, name)
     created, tracked = [], None
 
-    def created_first(model, opt, x, use_b):  # what the frame hook and the backend do per call
+    def created_first(model, opt, x, use_b):  # what sharding's hook and the backend do per call
         nonlocal tracked
         if not created:
-            created.extend(create_fresh_state([opt]))
+            created.extend(create_fresh_state([opt], settings_dependent=True))
             fresh_state.keep_fresh(created, None)
             tracked = len(fresh_state._TRACKED)
         fresh_state.refresh()
@@ -194,11 +194,19 @@ def test_a_parameter_first_updated_later_starts_from_that_calls_settings(name):
     torch.testing.assert_close(opt.state_dict(), eager_opt.state_dict(), rtol=0, atol=0)
 
 
+def test_a_state_made_from_the_settings_is_left_to_the_step_unless_sharded():
+    """Rprop's and ASGD's fresh state is their lr: made inside the graph, from each call's."""
+    for make in (lambda p: torch.optim.Rprop(p, lr=0.1), lambda p: torch.optim.ASGD(p, lr=0.1)):
+        opt = make(_TwoHeads().parameters())
+        assert create_fresh_state([opt]) == [] and not opt.state
+        assert len(create_fresh_state([opt], settings_dependent=True)) == 6
+
+
 def test_a_sharded_entry_is_remade_as_this_ranks_shard():
     model = _TwoHeads()
     opt = torch.optim.Rprop(model.parameters(), lr=0.1)
     spec = ShardSpec(rank=1, world=2)
-    created = create_fresh_state([opt])
+    created = create_fresh_state([opt], settings_dependent=True)
     shard_optimizer_state(opt, spec)
     fresh_state.keep_fresh(created, spec)
     weight = model.head_b.weight
@@ -212,7 +220,7 @@ def test_a_sharded_entry_is_remade_as_this_ranks_shard():
 def test_tracking_ends_with_the_entry():
     model = _TwoHeads()
     opt = torch.optim.Rprop(model.parameters(), lr=0.1)
-    fresh_state.keep_fresh(create_fresh_state([opt]), None)
+    fresh_state.keep_fresh(create_fresh_state([opt], settings_dependent=True), None)
     saved = copy.deepcopy(opt.state_dict())
     opt.load_state_dict(saved)  # new entries: the loaded state is the user's
     opt.param_groups[0]["lr"] = 0.5
@@ -221,11 +229,18 @@ def test_tracking_ends_with_the_entry():
     assert float(opt.state[model.head_b.bias]["step_size"][0]) == pytest.approx(0.1)
 
 
+def _lr_written_in_step(model, opt, x, use_b):
+    for g in opt.param_groups:  # a warmup written in the step: halves the lr each call
+        g["lr"] = g["lr"] * 0.5
+    _two_heads_step(model, opt, x, use_b)
+
+
+@pytest.mark.parametrize("step", [_two_heads_step, _lr_written_in_step])
 @pytest.mark.parametrize("name", ["rprop", "asgd"])
-def test_the_dynamo_door_starts_a_late_parameter_as_eager_does(fake_pg, name):
-    eager_model, eager_opt = _late_head_run(_two_heads_step, name)
+def test_the_dynamo_door_starts_a_late_parameter_as_eager_does(fake_pg, name, step):
+    eager_model, eager_opt = _late_head_run(step, name)
     torch._dynamo.reset()
-    model, opt = _late_head_run(compiled_by("dynamo", _two_heads_step), name)
+    model, opt = _late_head_run(compiled_by("dynamo", step), name)
     for p, q in zip(eager_model.parameters(), model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
     torch.testing.assert_close(opt.state_dict(), eager_opt.state_dict(), rtol=0, atol=1e-7)

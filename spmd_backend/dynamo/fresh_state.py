@@ -11,16 +11,19 @@ exactly what the first eager step would have created (the same code makes it); t
 difference is that a trainable parameter which never receives a gradient also gets an entry.
 
 Eager makes a parameter's state at the parameter's first update, from its group's settings at
-that time: Rprop's ``step_size`` is the lr then, ASGD's ``eta`` too. A parameter that first gets a
-gradient some calls later (a second head trained from the third call, a curriculum) would
-otherwise start from the settings of the first call (before 2026-11-28: Rprop 0.34 off DDP
-after a StepLR halved the lr three times). So every entry created here is kept as eager would
-make it until its parameter is first updated: :func:`keep_fresh` tracks the entries of a frame
-that compiled, and :func:`refresh` (the backend calls it before each call of a graph) remakes,
-in place, a tracked entry whose ``step`` is still 0 when its group's settings changed since it
-was made (a sharded entry gets this rank's shard of the remade state). An entry is dropped from
-tracking at its parameter's first update, or when the optimizer, the parameter or the entry
-(``load_state_dict``) is gone.
+that time: Rprop's ``step_size`` is the lr then, ASGD's ``eta`` too. Created here, the state of a
+parameter that first gets a gradient some calls later (a second head trained from the third
+call, a curriculum) started from the settings of the first call (before 2026-11-28: Rprop 0.34
+off DDP after a StepLR halved the lr three times). So a group whose fresh state depends on its
+settings (probed once per group: :func:`_made_from_settings`) is left to the step, which then
+compiles twice, as SGD's does, and makes each state inside the graph from the settings of its
+call, an lr the step itself writes included. Sharding needs every state before the trace: there
+such entries are created too, and :func:`keep_fresh` tracks them until their parameter is first
+updated; :func:`refresh` (the backend calls it before each call of a graph) remakes a tracked
+entry in place, as a shard, when its group's settings changed since it was made (a setting the
+step writes itself before a late parameter's first update is the one case it cannot see). An
+entry is dropped from tracking at its parameter's first update, or when the optimizer, the
+parameter or the entry (``load_state_dict``) is gone.
 
 Requires: called while no frame is being traced (``scope.install``'s frame hook calls it before
 Dynamo traces a frame for the spmd backend). Guarantees: only optimizers with no state for any
@@ -79,13 +82,17 @@ def _fresh_groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     ]
 
 
-def create_fresh_state(optimizers: Iterable[torch.optim.Optimizer]) -> list[tuple[Any, Any]]:
+def create_fresh_state(optimizers: Iterable[torch.optim.Optimizer],
+                       settings_dependent: bool = False) -> list[tuple[Any, Any]]:
     """Run ``_init_group`` of every fresh param group of the torch.optim optimizers among
     ``optimizers`` on zero stand-in gradients; returns the ``(optimizer, parameter)`` entries
-    created."""
+    created. A group whose fresh state depends on its settings (Rprop's, ASGD's lr) is left
+    to the step unless ``settings_dependent`` (sharding needs the state before the trace)."""
     created: list[tuple[Any, Any]] = []
     for opt in optimizers:
         groups = _fresh_groups(opt) if _torch_optimizer(opt) else []
+        if not settings_dependent:
+            groups = [g for g in groups if not _made_from_settings(opt, g)]
         if not groups:
             continue
         for group in groups:
@@ -232,21 +239,31 @@ def _made_from_settings(opt: torch.optim.Optimizer, group: dict[str, Any]) -> bo
 
 def _remake(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor,
             entries: dict[str, Any], spec: ShardSpec | None) -> None:
-    """Overwrite ``entries`` (``p``'s state) with what ``_init_group`` makes from ``group`` now;
-    the same tensors, so the compiled graphs that read them read the new values (a key the
-    settings add, such as ``amsgrad``'s, is added: Dynamo's guard on the keys recompiles)."""
-    made = _made(opt, group, p)
+    """Overwrite ``entries`` (``p``'s state, or this rank's shard of it) with what
+    ``_init_group`` makes from ``group`` now, in place, so the compiled graphs that read these
+    tensors read the new values. torch.optim's fresh state is constant per tensor (zeros, the
+    lr, 1): it is made for a two-element stand-in and filled in, without allocating ``p``'s size
+    on every call; a state that is not constant is made at full size (and sharded)."""
+    probe = torch.nn.Parameter(torch.zeros(2, dtype=p.dtype, device=p.device))
+    made = _made(opt, group, probe)
+    constant = all(not isinstance(v, torch.Tensor) or v.dim() == 0 or bool((v == v.flatten()[0]).all())
+                   for v in made.values())
+    if any(isinstance(v, torch.Tensor) and v.dim() and k not in entries for k, v in made.items()):
+        constant = False  # a key the settings add (amsgrad's) is made at full size
+    if not constant:
+        made = _made(opt, group, p)
     sharded = spec is not None and spec.shards(p)
     with torch.no_grad():
         for k, new in made.items():
             old = entries.get(k)
-            if isinstance(new, torch.Tensor) and sharded and new.dim() > 0:
+            if isinstance(new, torch.Tensor) and new.dim() and not constant and sharded:
                 new = spec.shard_of(new)
-            if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
-                    and old.shape == new.shape:
+            if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
+                entries[k] = new  # a key Dynamo's guard on the keys sees: it recompiles
+            elif constant and new.dim():
+                old.fill_(new.flatten()[0])
+            elif old.shape == new.shape:
                 old.copy_(new)
-            else:
-                entries[k] = new
 
 
 __all__ = ["create_fresh_state", "keep_fresh", "optimizers_of_frame", "refresh", "remove_state"]

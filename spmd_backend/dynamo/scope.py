@@ -440,7 +440,7 @@ def whole_step_scope() -> Iterator[None]:
 def _prepare_sharding(optimizers: list[Any]) -> None:
     """With sharding on: create a fresh optimizer's state and shard it before it is traced."""
     if optimizers and _sharding.spec is not None:  # both idempotent
-        _sharding.created.extend(fresh_state.create_fresh_state(optimizers))
+        _sharding.created.extend(fresh_state.create_fresh_state(optimizers, settings_dependent=True))
         try:
             sharded_update.prepare(optimizers, _sharding.spec, _sharding.group)
         except SpmdUsageError as e:  # raised by the backend, like its other errors
