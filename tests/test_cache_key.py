@@ -672,3 +672,22 @@ def test_a_python_counter_in_optimizer_state_is_named_with_the_way_out(fake_pg, 
         "every call: keep it a tensor (state['step'] = torch.tensor(0.0), incremented in place, "
         'as torch.optim does), or compile the step with torch.compile(step, backend="spmd"), '
         "which takes such a number as an input")
+
+
+def test_a_transposed_batch_of_changing_size_keeps_one_symbolic_graph(fake_pg):
+    """With ``dynamic_batch=True`` a (features, batch) tensor transposed has strides holding the
+    batch size: the key holds its layout's structure, not the strides, so one symbolic graph
+    serves every size (keyed on the strides, each size retraced until ``max_graphs``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    compiled = spmd_backend.compile(dynamic_batch=True, max_graphs=3)(step)
+    gen = torch.Generator().manual_seed(1)
+    for size in range(4, 14):
+        x = torch.randn(8, size, generator=gen).t()
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+    assert compiled.trace_count <= 2

@@ -184,7 +184,8 @@ class StepBinding:
             dyn = self.dims_traced_dynamic(j)
             if dyn:
                 shape = tuple(("dyn", ">=2") if i in dyn else s for i, s in enumerate(leaf.shape))
-                return ("tensor", shape, leaf.dtype, leaf.device, leaf.requires_grad, layout(leaf))
+                return ("tensor", shape, leaf.dtype, leaf.device, leaf.requires_grad,
+                        layout(leaf, symbolic=True))
             return ("tensor",) + tensor_spec(leaf) + (layout(leaf),)
         if isinstance(leaf, nn.Module):
             return ("module", id(leaf))

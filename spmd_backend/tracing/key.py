@@ -50,12 +50,22 @@ def tensor_spec(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
-def layout(t: torch.Tensor) -> Any:
+def layout(t: torch.Tensor, symbolic: bool = False) -> Any:
     """How a tensor argument is laid out, as far as a trace depends on it: "contiguous", or
     its strides (a slice of a wider tensor, a transpose, channels_last). A trace on one layout
     can fail on another (a ``view`` of a transposed batch); until 2026-11-28 a batch of the
-    traced shape with other strides failed the compiled call instead of retracing."""
-    return "contiguous" if t.is_contiguous() else tuple(t.stride())
+    traced shape with other strides failed the compiled call instead of retracing. Where some
+    dims are traced ``symbolic``ally the strides hold their sizes, so the layout is its
+    structure instead: the dims from outermost to innermost, the broadcast (stride 0) dims, and
+    which neighbouring dims a ``view`` could merge."""
+    if t.is_contiguous():
+        return "contiguous"
+    strides = t.stride()
+    if not symbolic:
+        return tuple(strides)
+    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
+    mergeable = tuple(strides[d] == strides[d + 1] * t.shape[d + 1] for d in range(t.dim() - 1))
+    return ("order", order, tuple(d for d in range(t.dim()) if strides[d] == 0), mergeable)
 
 
 # Computed for every call of a compiled step (the key), so these test an object's real type
@@ -221,7 +231,9 @@ def fmt(spec: Any) -> str:
     if isinstance(spec, tuple) and len(spec) in (5, 6) and spec[0] == "tensor":
         shape, dtype, device, rg = spec[1:5]
         dims = [d[1] if isinstance(d, tuple) else d for d in shape]
-        strides = "" if spec[5:] in ((), ("contiguous",)) else f", strides={list(spec[5])}"
+        lay = spec[5] if len(spec) == 6 else "contiguous"
+        strides = ("" if lay == "contiguous" else f", layout={lay}" if lay[:1] == ("order",)
+                   else f", strides={list(lay)}")
         return f"tensor(shape={dims}, dtype={dtype}, device={device}, requires_grad={rg}{strides})"
     if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "const":
         return repr(spec[1])
@@ -295,7 +307,7 @@ def shape_hint(old: Any, new: Any) -> str:
     """For a tensor argument whose sizes alone changed: how to trace those dims symbolically,
     so one graph serves every size (empty otherwise)."""
     specs = [s for s in (old, new) if isinstance(s, tuple) and len(s) in (5, 6) and s[0] == "tensor"]
-    if len(specs) != 2 or specs[0][2:] != specs[1][2:] or len(specs[0][1]) != len(specs[1][1]):
+    if len(specs) != 2 or specs[0][2:5] != specs[1][2:5] or len(specs[0][1]) != len(specs[1][1]):
         return ""
     dims = [d for d, (a, b) in enumerate(zip(specs[0][1], specs[1][1])) if a != b]
     if not dims:
