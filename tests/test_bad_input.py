@@ -557,6 +557,27 @@ def test_an_optimizer_the_step_was_not_given_is_refused_untouched(fake_pg, given
     assert not other.state
 
 
+def test_an_optimizer_the_step_makes_itself_is_traced(fake_pg):
+    """Not refused: made from ``model.parameters()`` inside the step, it holds the traced
+    stand-ins (a meta-learning inner loop, a one-off SGD step)."""
+    model, _ = make()
+    twin = copy.deepcopy(model)
+
+    def step(model, batch):
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(batch).sum().backward()
+        inner.step()
+        inner.zero_grad()
+
+    compiled = spmd_backend.compile()(step)
+    for _ in range(2):
+        x = torch.randn(2, 8)
+        compiled(model, x)
+        step(twin, x)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 def test_captured_real_tensor_is_named(fake_pg):
     model, opt = make()
     captured = torch.randn(4)

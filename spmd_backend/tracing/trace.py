@@ -133,7 +133,7 @@ def trace_train_step(
                 torch.fx.traceback.preserve_node_meta(), lazy_graph_modules(), \
                 annotator.active(), torch.compiler._non_strict_tracing_context(), compiling(), \
                 refuse_scheduler_steps(), refuse_user_collectives(), traced_randomness(ctx.rng, random_generators(fn, binding.modules)), \
-                refuse_unbound_optimizers(binding.optimizer), \
+                refuse_unbound_optimizers(binding.optimizer, binding.params), \
                 data_assignment_as_copy(), traced_without_mask_decision():
             if symbolic is None:
                 gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(

@@ -14,15 +14,16 @@ naming it, before it touches anything; the trace fails, so nothing of the call h
 
 Requires: torch's global optimizer step pre-hooks
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``). Guarantees: the bound optimizer
-(``None`` when the step was given none) is untouched; the hook and the patch are removed on
-exit.
+(``None`` when the step was given none) and any optimizer that holds none of the module's real
+parameters (one the step makes itself holds the traced stand-ins) are untouched; the hook and
+the patch are removed on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -48,17 +49,27 @@ def _refusal(optimizer: torch.optim.Optimizer, method: str, bound: bool) -> Spmd
     )
 
 
+def _holds(optimizer: torch.optim.Optimizer, real: set[int]) -> bool:
+    return any(id(p) in real for g in optimizer.param_groups for p in g["params"])
+
+
 @contextlib.contextmanager
-def refuse_unbound_optimizers(bound: torch.optim.Optimizer | None) -> Iterator[None]:
-    """While active, ``step()``/``zero_grad()`` of an optimizer other than ``bound`` raise."""
+def refuse_unbound_optimizers(bound: torch.optim.Optimizer | None,
+                              params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """While active, ``step()``/``zero_grad()`` of an optimizer other than ``bound`` that holds
+    one of ``params`` (the module's real parameters) raise. An optimizer the step makes itself
+    (``torch.optim.SGD(model.parameters())`` inside the step) holds the traced stand-ins and is
+    traced like any other code."""
+    real = {id(p) for p in params}
+
     def pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if optimizer is not bound:
+        if optimizer is not bound and _holds(optimizer, real):
             raise _refusal(optimizer, "step", bound is not None)
 
     original = torch.optim.Optimizer.zero_grad
 
     def zero_grad(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        if self is not bound:
+        if self is not bound and _holds(self, real):
             raise _refusal(self, "zero_grad", bound is not None)
         return original(self, *args, **kwargs)
 
