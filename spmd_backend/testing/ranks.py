@@ -15,6 +15,7 @@ rank runs ``torch.get_num_threads() == rank_threads(world_size)``: its share of 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import pickle
@@ -181,6 +182,12 @@ def _worker(
             outcome = _Outcome(rank=rank, ok=True, value=value)
         except BaseException as e:  # noqa: BLE001
             outcome = _pack_error(rank, e)
+        if not outcome.ok:
+            # a failed job's traceback holds its frames and model in reference cycles; left to
+            # the collector they went at another time on each rank, with process-wide
+            # registries they were in (per-graph mode's adopted eager parameters), and a later
+            # job's cross-rank check failed on a difference that was only this garbage
+            gc.collect()
         outcome.in_flight, outcome.collectives = _in_flight(), _issued()
         results.put(outcome)
     try:
