@@ -276,7 +276,11 @@ class CompiledTrainStep:
             traced, expansion, mode_effects = self._trace(binding, key, mode)
         except Exception as e:
             if mode.check_consistency:  # the others need not wait for this rank's graph
-                post_failure(self._round_key(self._consistency_rounds + 1), mode.process_group(),
+                # the round is used up, as on a rank that traced and read this failure: a
+                # retry must not find it (until 2026-11-28 a valid call after a failed first
+                # one failed on one rank and hung or broke the other in the broadcast)
+                self._consistency_rounds += 1
+                post_failure(self._round_key(self._consistency_rounds), mode.process_group(),
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             raise
         gm = traced.gm

@@ -39,6 +39,39 @@ def _mismatched_params_job(rank: int, world: int) -> str:
     return "ran"
 
 
+def _retry_after_a_failed_trace_job(rank: int, world: int) -> tuple[str, float]:
+    """The first call fails while tracing on every rank (a batch of the wrong width); the
+    retry with a good batch must train as DDP does. Until 2026-11-28 it found the failure the
+    first call had posted for its cross-rank check: one rank raised it again, the other went on
+    into the broadcast and broke (or would hang there)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    ddp = DDP(copy.deepcopy(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    compiled = spmd_backend.compile(parallel_mode=DataParallel(reduce_op="avg",
+                                                               consistency_timeout_s=10))(_step)
+    try:
+        compiled(model, opt, torch.randn(4, 7))
+        message = "ran"
+    except spmd_backend.SpmdTraceError as e:
+        message = str(e)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = torch.randn(4, 8, generator=gen)
+        compiled(model, opt, x)
+        _step(ddp, ref_opt, x)
+    return message, max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
+
+
+def test_a_call_after_a_failed_trace_runs_on_every_rank(rank_pool):
+    for message, worst in rank_pool.run(_retry_after_a_failed_trace_job, timeout=120):
+        assert "tracing the train step failed" in message, message
+        assert worst < 1e-6, worst
+
+
 def test_mismatched_parameter_shapes_fail_on_every_rank(rank_pool):
     t0 = time.monotonic()
     messages = rank_pool.run(_mismatched_params_job, timeout=60)
