@@ -152,3 +152,55 @@ def test_options_are_validated():
     with pytest.raises(SpmdUsageError, match="gradient_compression='int8'"):
         DataParallel(gradient_compression="int8")
     assert DataParallel(gradient_compression="bf16", shard_optimizer=True).shard_optimizer
+
+
+def _two_backward_job(rank: int, world: int, door: str) -> float:
+    """Two ``backward()`` calls per step, bf16 compression: DDP with ``no_sync`` and the hook
+    compresses the accumulated fp32 total once. Until 2026-11-28 the Dynamo door compressed and
+    reduced each backward's gradient on its own (3.3e-4 off after six SGD steps)."""
+    import copy
+
+    import torch.distributed as dist
+
+    import spmd_backend
+
+    def step(model, opt, x, y):
+        for k in range(2):
+            torch.nn.functional.mse_loss(model(x[k::2]), y[k::2]).div(2).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def reference(model, opt, x, y):
+        for k in range(2):
+            torch.nn.functional.mse_loss(model(x[k::2]), y[k::2]).div(2).backward()
+        for p in model.parameters():  # the hook: cast, divide, sum in bf16, cast back
+            g = p.grad.to(torch.bfloat16).div_(world)
+            dist.all_reduce(g)
+            p.grad.copy_(g.float())
+        opt.step()
+        opt.zero_grad()
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    if door == "dynamo":
+        compiled = torch.compile(step, backend="spmd", options={
+            "inductor": False, "reduce_op": "avg", "gradient_compression": "bf16"})
+    else:
+        compiled = spmd_backend.compile(parallel_mode=DataParallel(
+            reduce_op="avg", gradient_compression="bf16"))(step)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x, y = torch.randn(8, 13, generator=gen), torch.randn(8, 5, generator=gen)
+        compiled(model, opt, x, y)
+        reference(ref, ref_opt, x, y)
+    return max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_two_backward_calls_compress_the_accumulated_gradient_once(rank_pool, door):
+    for worst in rank_pool.run(_two_backward_job, door):
+        assert worst < 1e-6, worst

@@ -32,6 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spmd_backend.dynamo import frame
+from spmd_backend.dynamo.accumulated_grads import accumulated_total
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import INPUT_KIND_KEY, Phase, annotate, annotated, owner_of
@@ -183,7 +184,7 @@ def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> list[int]:
     placeholder indices of the parameters marked (once per gradient)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     position = {p: i for i, p in enumerate(placeholders)}
-    marked: list[int] = []
+    found: dict[int, list[fx.Node]] = {}  # parameter -> its gradients, one per backward call
     for call in autograd_grad_calls(gm.graph):
         wrt = call.args[1] if len(call.args) > 1 else call.kwargs.get("inputs")
         if not isinstance(wrt, (list, tuple)):  # torch.autograd.grad(out, x): one input
@@ -195,10 +196,18 @@ def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> list[int]:
             if i is None or i not in inputs.params or not _accumulated_into_grad(user):
                 continue
             check_dense_gradient(user.meta["example_value"], inputs.fqns[i])
-            with gm.graph.inserting_after(user):
-                marker = gm.graph.call_function(GRAD_READY, (user, inputs.fqns[i]))
-            user.replace_all_uses_with(marker, delete_user_cb=lambda n, m=marker: n is not m)
-            marker.meta["example_value"] = user.meta["example_value"]
+            found.setdefault(i, []).append(user)
+    marked: list[int] = []
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}  # markers added below are not in it
+    for i, gradients in found.items():
+        total = accumulated_total(gm.graph, gradients)
+        # several backward calls: the accumulated total once, after the last (as with no_sync)
+        for value, after in [total] if total is not None else [(g, g) for g in gradients]:
+            with gm.graph.inserting_after(after):
+                marker = gm.graph.call_function(GRAD_READY, (value, inputs.fqns[i]))
+            value.replace_all_uses_with(
+                marker, delete_user_cb=lambda n, k=order[after]: order.get(n, -1) > k)
+            marker.meta["example_value"] = value.meta["example_value"]
             marked.append(i)
     gm.graph.lint()
     gm.recompile()
