@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 
-def _copy_target(contribution: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+def copy_target(contribution: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """The ``empty_like`` that ``contribution`` is copied into, with the ``copy_`` node."""
     for use in contribution.users:
         if use.op == "call_method" and use.target == "copy_" and len(use.args) > 1 \
@@ -40,7 +40,7 @@ def accumulated_total(graph: fx.Graph, contributions: list[fx.Node]) -> tuple[fx
     polyfill's chain and nothing reads the partial sum; else None."""
     if len(contributions) < 2:
         return None
-    targets = [_copy_target(c) for c in contributions]
+    targets = [copy_target(c) for c in contributions]
     if any(t is None for t in targets):
         return None
     total, first_copy = targets[0]  # type: ignore[misc]
@@ -62,4 +62,4 @@ def accumulated_total(graph: fx.Graph, contributions: list[fx.Node]) -> tuple[fx
     return total, last
 
 
-__all__ = ["accumulated_total"]
+__all__ = ["accumulated_total", "copy_target"]

@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spmd_backend.dynamo import frame
-from spmd_backend.dynamo.accumulated_grads import accumulated_total
+from spmd_backend.dynamo.accumulated_grads import accumulated_total, copy_target
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import INPUT_KIND_KEY, Phase, annotate, annotated, owner_of
@@ -166,14 +166,7 @@ def _accumulated_into_grad(value: fx.Node) -> bool:
     ``accumulate_grad`` polyfill, which copies each gradient into ``empty_like(param)``. A
     gradient the user asked ``torch.autograd.grad`` for (a gradient penalty) is not: DDP does
     not reduce it either."""
-    for use in value.users:
-        if use.op == "call_method" and use.target == "copy_" and len(use.args) > 1 \
-                and use.args[1] is value:
-            dst = use.args[0]
-            if isinstance(dst, fx.Node) and dst.op == "call_function" \
-                    and dst.target is torch.empty_like:
-                return True
-    return False
+    return copy_target(value) is not None
 
 
 def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> list[int]:
