@@ -95,7 +95,11 @@ def _compile_aot(
         step_cache.drop_key(g.graph)
         graphs.hoist_markers(g.graph)
         if config.parallel.check_consistency:  # on the markers, before they become collectives
-            writes = rank_local_writes(g.graph, *_replica_roles(gm, inputs), {})
+            positions = graphs.dynamo_input_positions(g.graph)
+            local, replicated = (
+                {k: roles[i] for k, i in positions.items() if i in roles}
+                for roles in _replica_roles(gm, inputs))
+            writes = rank_local_writes(g.graph, local, replicated, {})
             if writes:
                 raise drift_error(writes, 'backend="spmd"', g.graph)
         if config.parallel.shard_optimizer:  # the reduce_scatter needs the marker unhidden

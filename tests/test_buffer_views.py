@@ -210,6 +210,35 @@ def test_sharing_it_cannot_trace_is_refused_with_nothing_changed(fake_pg, change
     assert all(p.grad is None for p in model.parameters()) and not opt.state
 
 
+class _TableRow(nn.Module):
+    """A row of a table registered as a buffer of its own; the forward writes another row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 12), nn.Linear(12, 2)
+        self.register_buffer("table", torch.zeros(4, 12))
+        self.register_buffer("row", self.table[1])
+
+    def forward(self, x):
+        h = torch.relu(self.a(x)) + self.row
+        self.table[0].add_(h.mean(0).detach())
+        return self.b(h).pow(2).mean()
+
+
+def test_a_buffer_write_beside_a_view_is_not_taken_for_a_parameters(fake_pg):
+    """AOTAutograd merges the table and its row into one input, and the graph's inputs no
+    longer lined up with Dynamo's: until 2026-11-28 the write of the batch into the table was
+    refused as a parameter updated without a collective (the Dynamo door's drift check)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, opt, twin, twin_opt = _twins(_TableRow())
+    compiled = torch.compile(step, backend="spmd", options={"inductor": False, "reduce_op": "sum"})
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+    torch.testing.assert_close(model.state_dict(), twin.state_dict())
+
+
 def test_the_outermost_buffer_is_the_base():
     table = torch.zeros(4, 6)
     buffers = [table[1], table, table[1:3], torch.zeros(2), table.view(24)]

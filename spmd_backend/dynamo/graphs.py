@@ -426,5 +426,26 @@ def mark_backward_outputs(graph: fx.Graph, params: dict[int, str]) -> list[int]:
     return marked
 
 
+def dynamo_input_positions(graph: fx.Graph) -> dict[int, int]:
+    """AOT graph placeholder position -> the Dynamo graph input it stands for, from the
+    placeholders' descriptors. AOTAutograd merges inputs that alias each other (a buffer that
+    is a view of another) into one synthetic base, after which positions no longer line up
+    (the base stands for the input it was made from); a placeholder of its own (an RNG seed, an
+    effect token) stands for none. Without descriptors: position for position."""
+    from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+
+    placeholders = graph.find_nodes(op="placeholder")
+    if not any("desc" in p.meta for p in placeholders):
+        return {k: k for k in range(len(placeholders))}
+    found: dict[int, int] = {}
+    for k, p in enumerate(placeholders):
+        desc = p.meta.get("desc")
+        while desc is not None and not isinstance(desc, PlainAOTInput):
+            desc = getattr(desc, "base_of", None)
+        if desc is not None:
+            found[k] = desc.idx
+    return found
+
+
 def has_descriptors(graph: fx.Graph) -> bool:
     return get_output(graph).meta.get("desc") is not None
