@@ -21,8 +21,8 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
 * turns a ``loss.backward()`` whose loss came from an earlier graph into a graph break (torch
   2.13 silently skips such a backward under ``trace_autograd_ops``: no gradients, no error);
 * keeps parameters graph inputs when the frame reads ``optimizer.param_groups`` before the
-  forward (``zero_grad()`` first), and gives ``p.grad``/``p.requires_grad`` reads a constant
-  of their own instead of torch's shared None/True/False (whose source torch overwrites);
+  forward (``zero_grad()`` first), guarding instead which parameters and state the optimizer
+  holds, and gives ``p.grad``/``p.requires_grad`` reads a constant of their own;
 * replays attribute stores on an optimizer object (torch 2.13 drops them), and a ``.grad``
   store on a parameter rebound by an in-place operator (``p -= lr * p.grad; p.grad = None``,
   which torch 2.13 drops too);
@@ -33,17 +33,14 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
   ``GradScaler.scale`` (a scaled backward per micro-batch inside a loop), handing a fused
   kernel a dynamic ``lr`` (a scheduler's float) as a tensor so it stays a graph input
   (:mod:`spmd_backend.dynamo.float_inputs` does the same for the other uses);
-* creates a fresh optimizer's state before the frame is traced
-  (:mod:`spmd_backend.dynamo.fresh_state`), so a step compiles once instead of twice.
+* creates a fresh optimizer's state before the frame is traced (:mod:`.fresh_state`);
 * with ``options={"shard_optimizer": True}``: shards the state of the frame's optimizers before
   Dynamo reads it (an optimizer reached only through an attribute: when its ``_init_group`` is
   traced) and inlines each optimizer's update functional on this rank's shards
   (:mod:`spmd_backend.dynamo.sharded_update`); a refused optimizer is raised by the backend
   (:func:`raise_refusal`).
 
-The torch 2.13 faults among these (parameters reached through ``param_groups``, the shared
-constants, stores dropped on an optimizer or on an in-place result) live in
-:mod:`spmd_backend.dynamo.faults`.
+The torch 2.13 faults among these live in :mod:`spmd_backend.dynamo.faults`.
 
 Scoping: :func:`install` wraps ``torch._dynamo.convert_frame.compile_frame`` (the function
 Dynamo calls for every frame, resume frames included) with a pass-through that enters the scope
@@ -488,14 +485,12 @@ def install() -> bool:
             _sharding.created = fresh_state.create_fresh_state(optimizers)
             try:
                 _prepare_sharding(optimizers)
-                compiled = original(code, globals, locals, builtins, closure, compiler_fn,
-                                    *args, **kwargs)
+                compiled = original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
+                fresh_state.keep_fresh(_sharding.created, _sharding.spec)  # until first updated
+                return compiled
             except BaseException:
                 fresh_state.remove_state(_sharding.created)
                 raise
-            else:  # kept as eager would make them until their parameters are first updated
-                fresh_state.keep_fresh(_sharding.created, _sharding.spec)
-                return compiled
             finally:
                 _sharding = outer
 
