@@ -8,7 +8,10 @@ gradient was reduced on its own: twice the communication of DDP with ``no_sync``
 reduces the accumulated total once), and with ``gradient_compression`` a different result
 (each part rounded to bfloat16 before the sum; 3.3e-4 off after six SGD steps, found in a bug
 hunt on 2026-11-28). :func:`accumulated_total` recognizes that chain so that the backend marks
-the total after the last addition instead, as the compile door does.
+the total after the last addition instead, as the compile door does. Into a ``.grad`` that
+exists when the step starts (``zero_grad(set_to_none=False)``), each backward's copy is added
+to it in place; :func:`added_into_existing` and :func:`sum_before_adding` turn that into the
+contributions' sum, marked once and then added.
 
 Requires: a Dynamo graph before AOTAutograd (torch-level ``copy_``/``add_`` method calls).
 Guarantees: only a chain nothing else reads between its first copy and its last addition is
@@ -62,4 +65,46 @@ def accumulated_total(graph: fx.Graph, contributions: list[fx.Node]) -> tuple[fx
     return total, last
 
 
-__all__ = ["accumulated_total", "copy_target"]
+def added_into_existing(graph: fx.Graph, contributions: list[fx.Node]) -> list[fx.Node] | None:
+    """For one parameter's gradients from several backward calls into a ``.grad`` that exists
+    when the step starts (``zero_grad(set_to_none=False)``, accumulation across calls): the
+    polyfill's ``grad.add_(copy)`` of each, in graph order, when they all add into the same
+    ``.grad`` and nothing reads it between the first addition and the last; else None."""
+    if len(contributions) < 2:
+        return None
+    targets = [copy_target(c) for c in contributions]
+    if any(t is None for t in targets):
+        return None
+    adds: list[fx.Node] = []
+    for dst, copy in targets:  # type: ignore[misc]
+        others = [u for u in dst.users if u is not copy]
+        if len(others) != 1:
+            return None
+        add = others[0]
+        if not (add.op == "call_method" and add.target == "add_" and len(add.args) == 2
+                and add.args[1] is dst and not add.kwargs):
+            return None
+        adds.append(add)
+    grad = adds[0].args[0]
+    if not isinstance(grad, fx.Node) or any(a.args[0] is not grad for a in adds):
+        return None
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    adds.sort(key=order.__getitem__)
+    first, last = order[adds[0]], order[adds[-1]]
+    if any(u not in adds and first < order[u] < last for u in grad.users):
+        return None  # the gradient is read between two backward calls
+    return adds
+
+
+def sum_before_adding(graph: fx.Graph, adds: list[fx.Node]) -> fx.Node:
+    """Rewrite :func:`added_into_existing`'s chain ``grad.add_(c1) ... grad.add_(cn)`` into
+    ``c1.add_(c2) ... c1.add_(cn); grad.add_(c1)`` (the last addition moved after the sum);
+    returns the first addition, now ``grad.add_(c1)``, whose second argument the caller marks."""
+    grad, total = adds[0].args
+    for add in adds[1:]:
+        add.args = (total, add.args[1])
+    adds[-1].append(adds[0])  # grad.add_(c1) now follows the last partial sum
+    return adds[0]
+
+
+__all__ = ["accumulated_total", "added_into_existing", "copy_target", "sum_before_adding"]

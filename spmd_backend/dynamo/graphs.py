@@ -32,7 +32,12 @@ import torch.fx as fx
 import torch.nn as nn
 
 from spmd_backend.dynamo import frame
-from spmd_backend.dynamo.accumulated_grads import accumulated_total, copy_target
+from spmd_backend.dynamo.accumulated_grads import (
+    accumulated_total,
+    added_into_existing,
+    copy_target,
+    sum_before_adding,
+)
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import INPUT_KIND_KEY, Phase, annotate, annotated, owner_of
@@ -194,6 +199,16 @@ def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> list[int]:
     order = {n: k for k, n in enumerate(gm.graph.nodes)}  # markers added below are not in it
     for i, gradients in found.items():
         total = accumulated_total(gm.graph, gradients)
+        into_existing = added_into_existing(gm.graph, gradients) if total is None else None
+        if into_existing is not None:  # .grad existed: the contributions' sum, marked, added
+            add = sum_before_adding(gm.graph, into_existing)
+            summed = add.args[1]
+            with gm.graph.inserting_before(add):
+                marker = gm.graph.call_function(GRAD_READY, (summed, inputs.fqns[i]))
+            marker.meta["example_value"] = summed.meta["example_value"]
+            add.args = (add.args[0], marker)
+            marked.append(i)
+            continue
         # several backward calls: the accumulated total once, after the last (as with no_sync)
         for value, after in [total] if total is not None else [(g, g) for g in gradients]:
             with gm.graph.inserting_after(after):
