@@ -94,15 +94,16 @@ def _compile_aot(
         _refuse_unlike_fused_operands(g.graph)
         step_cache.drop_key(g.graph)
         graphs.hoist_markers(g.graph)
+        positions = graphs.dynamo_input_positions(g.graph)
         if config.parallel.check_consistency:  # on the markers, before they become collectives
-            local, replicated = (_by_aot_position(g.graph, roles)
+            local, replicated = (_by_aot_position(positions, roles)
                                  for roles in _replica_roles(gm, inputs))
             writes = rank_local_writes(g.graph, local, replicated, {})
             if writes:
                 raise drift_error(writes, 'backend="spmd"', g.graph)
         if config.parallel.shard_optimizer:  # the reduce_scatter needs the marker unhidden
             graphs.fold_gradient_copies(g.graph)
-        graphs.annotate_phases(g.graph, _by_aot_position(g.graph, inputs.kinds),
+        graphs.annotate_phases(g.graph, _by_aot_position(positions, inputs.kinds),
                                split_optimizer=True)
         upcast_bias_corrections(g.graph)
         fold_step_size_after_eps(g.graph)
@@ -117,8 +118,9 @@ def _compile_aot(
     def forward(g: fx.GraphModule, ex: list[Any]) -> Any:
         _refuse_unlike_fused_operands(g.graph)  # per-graph mode's optimizer step is one
         step_cache.drop_key(g.graph)
-        graphs.annotate_phases(g.graph, _by_aot_position(g.graph, inputs.kinds),
-                               default=Phase.FORWARD)
+        graphs.annotate_phases(
+            g.graph, _by_aot_position(graphs.dynamo_input_positions(g.graph), inputs.kinds),
+            default=Phase.FORWARD)
         upcast_bias_corrections(g.graph)
         fold_step_size_after_eps(g.graph)
         pipeline.expand(g, config)
@@ -183,11 +185,11 @@ def _cache_key(gm: fx.GraphModule, config: PipelineConfig, inputs: graphs.Dynamo
     return not reason
 
 
-def _by_aot_position(graph: fx.Graph, by_input: dict[int, Any]) -> dict[int, Any]:
+def _by_aot_position(positions: dict[int, int], by_input: dict[int, Any]) -> dict[int, Any]:
     """``by_input`` (Dynamo graph input -> value) keyed by the AOT graph's placeholder positions
-    (AOTAutograd merges aliased inputs into one base, adds seeds and tokens: positions shift)."""
-    return {k: by_input[i] for k, i in graphs.dynamo_input_positions(graph).items()
-            if i in by_input}
+    (``positions``, :func:`graphs.dynamo_input_positions`: AOTAutograd merges aliased inputs
+    into one base and adds seeds and tokens, so positions shift)."""
+    return {k: by_input[i] for k, i in positions.items() if i in by_input}
 
 
 def _replica_roles(gm: fx.GraphModule, inputs: graphs.DynamoInputs) -> tuple[dict, dict]:

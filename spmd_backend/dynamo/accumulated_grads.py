@@ -37,6 +37,20 @@ def copy_target(contribution: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
+def _added_by(target: tuple[fx.Node, fx.Node]) -> fx.Node | None:
+    """The one in-place ``x.add_(copy)`` that uses a contribution's copy (``target``: the copy's
+    ``empty_like`` and ``copy_``), when that and the copy are all that use it."""
+    dst, copy = target
+    others = [u for u in dst.users if u is not copy]
+    if len(others) != 1:
+        return None
+    add = others[0]
+    if add.op == "call_method" and add.target == "add_" and len(add.args) == 2 \
+            and add.args[1] is dst and not add.kwargs:
+        return add
+    return None
+
+
 def accumulated_total(graph: fx.Graph, contributions: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
     """For one parameter's gradients from several backward calls (in graph order): the
     ``.grad`` tensor they accumulate into and the last in-place addition, when they form the
@@ -47,16 +61,9 @@ def accumulated_total(graph: fx.Graph, contributions: list[fx.Node]) -> tuple[fx
     if any(t is None for t in targets):
         return None
     total, first_copy = targets[0]  # type: ignore[misc]
-    adds: list[fx.Node] = []
-    for dst, copy in targets[1:]:  # type: ignore[misc]
-        others = [u for u in dst.users if u is not copy]
-        if len(others) != 1:
-            return None
-        add = others[0]
-        if not (add.op == "call_method" and add.target == "add_" and add.args == (total, dst)
-                and not add.kwargs):
-            return None
-        adds.append(add)
+    adds = [_added_by(t) for t in targets[1:]]  # type: ignore[arg-type]
+    if any(a is None or a.args[0] is not total for a in adds):
+        return None
     order = {n: k for k, n in enumerate(graph.nodes)}
     last = max(adds, key=order.__getitem__)
     chain = {first_copy, *adds}
@@ -75,16 +82,10 @@ def added_into_existing(graph: fx.Graph, contributions: list[fx.Node]) -> list[f
     targets = [copy_target(c) for c in contributions]
     if any(t is None for t in targets):
         return None
-    adds: list[fx.Node] = []
-    for dst, copy in targets:  # type: ignore[misc]
-        others = [u for u in dst.users if u is not copy]
-        if len(others) != 1:
-            return None
-        add = others[0]
-        if not (add.op == "call_method" and add.target == "add_" and len(add.args) == 2
-                and add.args[1] is dst and not add.kwargs):
-            return None
-        adds.append(add)
+    found = [_added_by(t) for t in targets]  # type: ignore[arg-type]
+    adds = [a for a in found if a is not None]
+    if len(adds) != len(found):
+        return None
     grad = adds[0].args[0]
     if not isinstance(grad, fx.Node) or any(a.args[0] is not grad for a in adds):
         return None
@@ -96,11 +97,11 @@ def added_into_existing(graph: fx.Graph, contributions: list[fx.Node]) -> list[f
     return adds
 
 
-def sum_before_adding(graph: fx.Graph, adds: list[fx.Node]) -> fx.Node:
+def sum_before_adding(adds: list[fx.Node]) -> fx.Node:
     """Rewrite :func:`added_into_existing`'s chain ``grad.add_(c1) ... grad.add_(cn)`` into
     ``c1.add_(c2) ... c1.add_(cn); grad.add_(c1)`` (the last addition moved after the sum);
     returns the first addition, now ``grad.add_(c1)``, whose second argument the caller marks."""
-    grad, total = adds[0].args
+    total = adds[0].args[1]
     for add in adds[1:]:
         add.args = (total, add.args[1])
     adds[-1].append(adds[0])  # grad.add_(c1) now follows the last partial sum

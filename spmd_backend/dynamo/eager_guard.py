@@ -104,7 +104,16 @@ def trained_parameter(values: Iterable[object]) -> str | None:
     return None
 
 
-def _error(what: str, why: tuple[str, str], world: int, parameter: str) -> SpmdUsageError:
+def _eager_refusal(values: Iterable[object], options: dict[str, Any] | None, what: str,
+                   why: tuple[str, str]) -> SpmdUsageError | None:
+    """The error for running ``what`` eagerly (``why``: the cause, the way out) when ``values``
+    reach a trainable parameter with gradients enabled on a group of several ranks, else None."""
+    parameter = trained_parameter(values)
+    if parameter is None:
+        return None
+    world = group_size(options)
+    if world <= 1:
+        return None
     return SpmdUsageError(
         f'backend="spmd": {what} would run eagerly ({why[0]}): backend="spmd" is what reduces '
         f"the gradients across the {world} ranks, so each rank would train {parameter} on its own "
@@ -118,11 +127,10 @@ def _refuse_disabled_call(fn: Callable[..., Any], options: dict[str, Any] | None
 
     @functools.wraps(fn)
     def step(*args: Any, **kwargs: Any) -> Any:
-        parameter = trained_parameter([*args, *kwargs.values()])
-        if parameter is not None:
-            world = group_size(options)
-            if world > 1:
-                raise _error(f"the step {getattr(fn, '__qualname__', fn)!r}", _DISABLED, world, parameter)
+        refused = _eager_refusal([*args, *kwargs.values()], options,
+                                 f"the step {getattr(fn, '__qualname__', fn)!r}", _DISABLED)
+        if refused is not None:
+            raise refused
         return fn(*args, **kwargs)
 
     return step
@@ -142,10 +150,9 @@ def _wrap_optimize(original: Callable[..., Any], ours: Callable[[Any], bool],
 
         def decorate(fn: Any) -> Any:
             if isinstance(fn, torch.nn.Module):  # returned as is: checked now
-                parameter = trained_parameter([fn])
-                world = group_size(options)
-                if parameter is not None and world > 1:
-                    raise _error(f"the module {type(fn).__name__}", _DISABLED, world, parameter)
+                refused = _eager_refusal([fn], options, f"the module {type(fn).__name__}", _DISABLED)
+                if refused is not None:
+                    raise refused
                 if not torch.distributed.is_initialized():
                     warnings.warn(
                         f'torch.compile(..., backend="spmd") of a {type(fn).__name__} with Dynamo '
@@ -167,13 +174,10 @@ def _wrap_handle_skip(original: Callable[..., Any], ours: Callable[[Any], bool],
         why = next((w for r, w in _REFUSED_SKIPS.items() if reason and reason.startswith(r)), None)
         backend = getattr(self, "_torchdynamo_orig_backend", None)
         if why is not None and backend is not None and ours(backend):
-            parameter = trained_parameter(_values_of(dynamo_frame))
-            if parameter is not None:
-                world = group_size(options_of(backend))
-                if world > 1:
-                    code = dynamo_frame.f_code
-                    raise _error(f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
-                                 why, world, parameter)
+            refused = _eager_refusal(_values_of(dynamo_frame), options_of(backend),
+                                     audit.where(dynamo_frame.f_code), why)
+            if refused is not None:
+                raise refused
         return original(self, result, dynamo_frame)
 
     return _handle_skip
@@ -218,22 +222,15 @@ def _refuse_past_the_limit(values: list[Any], code: Any, limit: str,
     from then on without calling any hook: adopting this model's gradients would have covered
     this call only, and every later model trained unsynchronized (before 2026-11-28: folds 10
     and 11 of a k-fold loop 0.05 off DDP, the ranks' replicas apart, silently)."""
-    parameter = trained_parameter(values)
-    if parameter is None:
-        return None
-    world = group_size(options)
-    if world <= 1:
-        return None
     value = getattr(torch._dynamo.config, limit, "?")
-    return _error(
-        f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
+    return _eager_refusal(
+        values, options, audit.where(code),
         (f"Dynamo compiled it up to its {limit} ({value}) and now runs it eagerly, without "
          "calling the backend, for every call no compiled graph serves: each new model, "
          "optimizer or parameter recompiles",
          "call torch._dynamo.reset() before training a new model and optimizer (a new fold, a "
          "restart), or raise torch._dynamo.config.recompile_limit; TORCH_LOGS=recompiles says "
-         "why it recompiled"),
-        world, parameter)
+         "why it recompiled"))
 
 
 def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any], bool],
@@ -364,14 +361,11 @@ def _wrap_callback_from_stance(original: Callable[..., Any], ours: Callable[[Any
         options = options_of(callback)
 
         def refuse_or_run_eagerly(dynamo_frame: Any, cache_entry: Any, frame_state: Any) -> Any:
-            parameter = trained_parameter(_values_of(dynamo_frame))
-            if parameter is not None:
-                world = group_size(options)
-                if world > 1:
-                    code = dynamo_frame.f_code
-                    raise _error(f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
-                                 ('torch.compiler.set_stance("force_eager")',
-                                  "use the default stance for the step"), world, parameter)
+            refused = _eager_refusal(
+                _values_of(dynamo_frame), options, audit.where(dynamo_frame.f_code),
+                ('torch.compiler.set_stance("force_eager")', "use the default stance for the step"))
+            if refused is not None:
+                raise refused
             return ConvertFrameReturn(
                 frame_exec_strategy=FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP),
                 apply_to_code=False)

@@ -201,7 +201,7 @@ def mark_gradients(gm: fx.GraphModule, inputs: DynamoInputs) -> list[int]:
         total = accumulated_total(gm.graph, gradients)
         into_existing = added_into_existing(gm.graph, gradients) if total is None else None
         if into_existing is not None:  # .grad existed: the contributions' sum, marked, added
-            add = sum_before_adding(gm.graph, into_existing)
+            add = sum_before_adding(into_existing)
             summed = add.args[1]
             with gm.graph.inserting_before(add):
                 marker = gm.graph.call_function(GRAD_READY, (summed, inputs.fqns[i]))

@@ -33,12 +33,11 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
   ``GradScaler.scale`` (a scaled backward per micro-batch inside a loop), handing a fused
   kernel a dynamic ``lr`` (a scheduler's float) as a tensor so it stays a graph input
   (:mod:`spmd_backend.dynamo.float_inputs` does the same for the other uses);
-* creates a fresh optimizer's state before the frame is traced (:mod:`.fresh_state`);
+* creates a fresh optimizer's state before tracing (:mod:`.fresh_state`);
 * with ``options={"shard_optimizer": True}``: shards the state of the frame's optimizers before
-  Dynamo reads it (an optimizer reached only through an attribute: when its ``_init_group`` is
-  traced) and inlines each optimizer's update functional on this rank's shards
-  (:mod:`spmd_backend.dynamo.sharded_update`); a refused optimizer is raised by the backend
-  (:func:`raise_refusal`).
+  Dynamo reads it (one reached only through an attribute: when its ``_init_group`` is traced)
+  and inlines each optimizer's update functional on this rank's shards (:mod:`.sharded_update`);
+  a refused optimizer is raised by the backend (:func:`raise_refusal`).
 
 The torch 2.13 faults among these live in :mod:`spmd_backend.dynamo.faults`.
 
@@ -486,7 +485,8 @@ def install() -> bool:
             try:
                 _prepare_sharding(optimizers)
                 compiled = original(code, globals, locals, builtins, closure, compiler_fn, *args, **kwargs)
-                fresh_state.keep_fresh(_sharding.created, _sharding.spec)  # until first updated
+                if _sharding.spec is not None:  # only sharding creates state made from settings
+                    fresh_state.keep_fresh(_sharding.created, _sharding.spec)
                 return compiled
             except BaseException:
                 fresh_state.remove_state(_sharding.created)
