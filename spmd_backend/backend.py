@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -88,7 +89,10 @@ def _compile_aot(
     from torch._dynamo.backends.common import aot_autograd
 
     params = dict(inputs.fqns)
-    watched = [*inputs.params.values(), *inputs.attributes]
+    # by position and weakly: a cached graph must not keep a model alive (a k-fold loop's
+    # earlier folds; until 2026-11-28 every model a step had compiled for stayed in memory)
+    watched_positions = list(inputs.params)
+    watched_attributes = [weakref.ref(p) for p in inputs.attributes]
 
     def whole_module(g: fx.GraphModule, ex: list[Any]) -> Any:
         _refuse_unlike_fused_operands(g.graph)
@@ -165,7 +169,8 @@ def _compile_aot(
         log.info('backend="spmd": the whole-step graph came from the AOTAutograd cache')
     if not whole_step and "grad" in inputs.kinds.values():
         def checked(*args: Any) -> Any:  # an optimizer-step graph of per-graph mode
-            audit.check_before_step(watched)
+            attributes = [p for ref in watched_attributes if (p := ref()) is not None]
+            audit.check_before_step([*(args[i] for i in watched_positions), *attributes])
             return compiled(*args)
 
         return checked
@@ -301,21 +306,22 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: PipelineConf
     facts = per_graph.BackwardFacts()
     compiled = _compile_aot(gm, example_inputs, config, inputs, whole_step=whole_step, facts=facts)
     if whole_step and marked:
-        compiled = _marking_reduced(compiled, [inputs.params[i] for i in dict.fromkeys(marked)])
+        compiled = _marking_reduced(compiled, list(dict.fromkeys(marked)))
     elif not whole_step and hooked:
         compiled = _per_graph_calls(compiled, gm, config, hooked, inputs.fqns, facts)
-    compiled = _checked_before_each_call(compiled, hooked, inputs.fqns, check)
+    compiled = _checked_before_each_call(compiled, list(hooked), inputs.fqns, check)
     release_freed_heap()  # what tracing and compiling freed, back to the OS
     return compiled
 
 
-def _marking_reduced(compiled: Any, params: list[torch.Tensor]) -> Any:
-    """``compiled`` (a whole-step graph) telling the audit, after each call, that it reduced
-    ``params``' gradients: where a graph break splits the step after ``loss.backward()``
-    (``if loss.item() < x: optimizer.step()``), the optimizer-step graph then steps on them."""
+def _marking_reduced(compiled: Any, positions: list[int]) -> Any:
+    """``compiled`` (a whole-step graph) telling the audit, after each call, that it reduced the
+    gradients of the parameters at input ``positions``: where a graph break splits the step
+    after ``loss.backward()`` (``if loss.item() < x: optimizer.step()``), the optimizer-step
+    graph then steps on them."""
     def run(*args: Any) -> Any:
         out = compiled(*args)
-        audit.mark_reduced_in_graph(params)
+        audit.mark_reduced_in_graph([args[i] for i in positions])
         return out
 
     return run
@@ -370,18 +376,19 @@ def _per_graph_calls(
     check = mode.check_consistency and dist.get_world_size(pg) > 1
     names = ", ".join(sorted(fqns[i] for i in params))[:200]
     return per_graph.watching_each_call(
-        compiled, params, fqns, facts, consistency.signature_digest(_reduced_lines(params, fqns)),
+        compiled, list(params), fqns, facts,
+        consistency.signature_digest(_reduced_lines(params, fqns)),
         per_graph.backward_schedule(pg) if check else None, f"{_compile_name(gm)} ({names})",
     )
 
 
 def _checked_before_each_call(
-    compiled: Any, params: dict[int, torch.Tensor], fqns: dict[int, str],
+    compiled: Any, positions: list[int], fqns: dict[int, str],
     check: Callable[[], None] | None = None,
 ) -> Any:
-    """``compiled``, raising before it runs when a parameter got a gradient hook since it was
-    compiled, warning once when global module hooks changed (Dynamo guards neither), and
-    running ``check`` (the schedule check) first."""
+    """``compiled``, raising before it runs when a parameter (at input ``positions``) got a
+    gradient hook since it was compiled, warning once when global module hooks changed (Dynamo
+    guards neither), and running ``check`` (the schedule check) first."""
     at_compile = global_module_hooks()
     warned = [False]
 
@@ -389,8 +396,8 @@ def _checked_before_each_call(
         if check is not None:
             check()
         fresh_state.refresh()  # fresh optimizer state of parameters not updated yet
-        if params:
-            audit.refuse_gradient_hooks(params, fqns)
+        if positions:
+            audit.refuse_gradient_hooks({i: args[i] for i in positions}, fqns)
         if not warned[0]:
             changed = audit.changed_global_hooks(at_compile)
             if changed:

@@ -142,3 +142,44 @@ def test_a_checkpoint_that_orders_the_state_differently_keeps_each_parameters_st
         compiled(model, opt, x, y)
         step(ref, ref_opt, x, y)
     _assert_same(model, ref, opt, ref_opt)
+
+
+@torch._dynamo.disable
+def _log(x: torch.Tensor) -> None:
+    """A logging call Dynamo does not compile: a graph break (per-graph mode)."""
+
+
+class _Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        _log(h)
+        return self.b(h)
+
+
+def test_cached_graphs_do_not_keep_earlier_models_alive(fake_pg):
+    """A k-fold loop through one compiled step: each fold's model and optimizer state are freed
+    once the user drops them (until 2026-11-28 the backend's wrappers of each graph held the
+    parameters it was compiled for, so every fold's model stayed in memory; stock Dynamo frees
+    them)."""
+    import gc
+    import weakref
+
+    for make in (lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), _Broken):
+        torch._dynamo.reset()
+        compiled = compiled_by("dynamo", _step)
+        refs = []
+        for _ in range(2):
+            model = make()
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            for x, y in _batches(2):
+                compiled(model, opt, x, y)
+            first = next(model.parameters())
+            refs += [weakref.ref(first), weakref.ref(opt.state[first]["exp_avg"])]
+            del model, opt, first
+            gc.collect()
+            assert [r() for r in refs] == [None] * len(refs), make

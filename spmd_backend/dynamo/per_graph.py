@@ -206,11 +206,12 @@ def _mark_after(facts: BackwardFacts, slots: list[tuple[int, Any, int, torch.Ten
 
 
 def watching_each_call(
-    compiled: Callable[..., Any], params: dict[int, torch.Tensor], fqns: dict[int, str],
+    compiled: Callable[..., Any], positions: list[int], fqns: dict[int, str],
     facts: BackwardFacts, digest: str, schedule: BackwardSchedule | None, where: str,
 ) -> Callable[..., Any]:
-    """``compiled`` (a per-graph forward with trainable ``params`` at those input positions)
-    auditing, and with ``schedule`` checking, the parameters each call received."""
+    """``compiled`` (a per-graph forward with trainable parameters at input ``positions``)
+    auditing, and with ``schedule`` checking, the parameters each call received (the
+    compile-time ones are not kept: a cached graph must not keep a model alive)."""
     learned: list[type] = []
 
     def run(*args: Any) -> Any:
@@ -220,7 +221,7 @@ def watching_each_call(
         node = _own_backward_node(out, args, learned)
         if node is None:  # no output needs a gradient: no backward graph will run
             return out
-        used = {i: args[i] for i in params}
+        used = {i: args[i] for i in positions}
         for i, p in used.items():  # a module sharing this graph: watched from its first call
             audit.watch(p, fqns[i])
             audit.watch_incoming(p, fqns[i])
