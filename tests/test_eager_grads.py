@@ -652,3 +652,78 @@ def test_gradients_accumulated_into_zeroed_buffers_keep_the_replicas_identical(r
     now written as what ``.grad`` held plus the reduced part."""
     for spread in rank_pool.run(_zeroed_not_emptied_job):
         assert spread == [0.0, 0.0], spread
+
+
+def _new_models_job(rank: int, world: int) -> list[float]:
+    """Two models, one after the other, through one compiled step that Dynamo gives up on (the
+    step's loop holds the body's graph break), each rank initializing its own (DDP broadcasts
+    rank 0's); the largest difference from DDP per model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_step, backend="spmd", options=FAST)
+    gen = torch.Generator().manual_seed(rank)
+    worst = []
+    for fold in range(2):
+        torch.manual_seed(10 * fold + rank)
+        model = _Model()
+        model.body.bn = nn.BatchNorm1d(16)
+        ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for _ in range(2):
+            ids = torch.randint(0, 32, (4, 6), generator=gen)
+            compiled(model, opt, ids)
+            _step(ddp, ref_opt, ids)
+        worst.append(max(float((p - q).abs().max())
+                         for p, q in zip(model.parameters(), ddp.module.parameters())))
+    return worst
+
+
+def test_a_new_model_through_a_step_dynamo_gave_up_on_trains_like_ddp(rank_pool):
+    """Dynamo marks a frame it gives up on skipped for good, so until 2026-11-28 only the first
+    model's parameters were adopted: the next fold's eager gradients were refused at the
+    optimizer step (given_up.py now has such a frame come back at each call)."""
+    for worst in rank_pool.run(_new_models_job):
+        assert max(worst) < 1e-6, worst
+
+
+def _dropped_model_job(rank: int, world: int) -> float:
+    """Model A (a BatchNorm in the eager region, ``reduce_op="sum"``: a registry of its own) is
+    dropped while a reference cycle holds it; rank 1 collects its garbage at once, rank 0 does
+    not. Model B then trains beside DDP; its largest difference."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    gc.disable()
+    try:
+        torch.manual_seed(0)
+        model = _Model()
+        model.body.bn = nn.BatchNorm1d(16)
+        model.cycle = [model]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(_step, backend="spmd", options={**FAST, "reduce_op": "sum"})
+        ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(rank))
+        compiled(model, opt, ids)
+        del model, opt, compiled
+        if rank == 1:
+            gc.collect()
+        torch.manual_seed(1)
+        model = _Model()
+        ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        return _beside_ddp(_step, model, opt, ddp, ref_opt,
+                           lambda g: torch.randint(0, 32, (4, 6), generator=g), rank, steps=2)
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_model_freed_at_each_ranks_own_time_does_not_stop_the_next(rank_pool):
+    """Until 2026-11-28 the per-graph check counted the registries whose adopted parameters were
+    alive, and the buffer broadcast took the buffers alive on each rank: rank 0 still held the
+    dropped model, so the check failed on every rank."""
+    for worst in rank_pool.run(_dropped_model_job):
+        assert worst < 1e-6, worst

@@ -26,11 +26,13 @@ Every rank must run that callback in the same ``backward()``: a rank that queued
 pair the others' collectives with its next step's. The per-graph check
 (:meth:`~spmd_backend.dynamo.per_graph.BackwardSchedule.check_from`, once per ``backward()``
 before any compiled collective) opens the session on every rank of a group that has adopted
-parameters, and includes whether it has any in the code it compares; the callback first agrees on
-the list of parameters with an eager part (name, shape, dtype, in name order) with one all_reduce
-of two int64 numbers, so ranks whose eager regions differ raise
-:class:`~spmd_backend.errors.SpmdDistributedError` instead of summing one parameter's gradient
-into another's.
+parameters (ever: a dropped model's parameters are freed at each rank's own time when a reference
+cycle holds them), and includes whether it has any in the code it compares; the callback first
+agrees on the list of parameters with an eager part (name, shape, dtype, in name order) and on the
+buffers it will broadcast with one all_reduce of two int64 numbers, so ranks whose eager regions
+differ raise :class:`~spmd_backend.errors.SpmdDistributedError` instead of summing one
+parameter's gradient into another's (where only the buffers differ, every rank collects its
+garbage first and agrees again).
 
 When a frame is adopted (all ranks compile it at the same call), its parameters and the buffers
 of the modules it reaches are verified across ranks and broadcast from the group's first rank
@@ -71,6 +73,7 @@ yet.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,7 +88,7 @@ from spmd_backend.parallel.buffer_broadcast import BUCKET_BYTES
 from spmd_backend.parallel.consistency import signature_digest
 from spmd_backend.parallel.data_parallel import DataParallel
 from spmd_backend.parallel.live_groups import forget_destroyed
-from spmd_backend.parallel.schedule_check import agree_on_schedule
+from spmd_backend.parallel.schedule_check import agree_on_schedule, schedule_agrees
 from spmd_backend.parallel.state_sync import sync_module_states
 
 
@@ -141,15 +144,26 @@ class _Session:
             return
         parts = sorted(self.parts, key=lambda p: p.fqn)
         lines = [f"{p.fqn} {list(p.eager.shape)} {p.eager.dtype}" for p in parts]
-        agree_on_schedule(
-            signature_digest(lines), owner.group,
-            'backend="spmd" (per-graph mode, gradients of the regions Dynamo runs eagerly)',
-            f" This rank computed eagerly the gradients of {len(parts)} parameter(s)"
-            + (f", the first: {parts[0].fqn!r}." if parts else "."),
-            device=parts[0].eager.device if parts else None,
-            state="No parameter was updated; the gradients of this backward() hold unreduced "
-            "parts: zero them before training on.",
-        )
+        device = parts[0].eager.device if parts else None
+        buffers = owner.live_buffers()
+        if not schedule_agrees(signature_digest([*lines, *_buffer_lines(buffers)]), owner.group,
+                               device):
+            # the buffers the ranks hold differ when a dropped model is held by a reference
+            # cycle (each rank's garbage collector frees it at its own time): collect on every
+            # rank and agree again; the parameters' parts are not garbage
+            buffers.clear()  # this list would keep them alive
+            gc.collect()
+            buffers = owner.live_buffers()
+            agree_on_schedule(
+                signature_digest([*lines, *_buffer_lines(buffers)]), owner.group,
+                'backend="spmd" (per-graph mode, gradients of the regions Dynamo runs eagerly)',
+                f" This rank computed eagerly the gradients of {len(parts)} parameter(s)"
+                + (f", the first: {parts[0].fqn!r}" if parts else "")
+                + f", and holds {len(buffers)} buffer(s) of the modules it reduces them for.",
+                device=device,
+                state="No parameter was updated; the gradients of this backward() hold "
+                "unreduced parts: zero them before training on.",
+            )
         by_kind: dict[tuple[torch.dtype, torch.device], list[_Part]] = {}
         for p in parts:
             by_kind.setdefault((p.eager.dtype, p.eager.device), []).append(p)
@@ -171,7 +185,12 @@ class _Session:
                 )
         for p, r in results:
             _write(p, r)
-        owner.broadcast_buffers()
+        owner.broadcast_buffers(buffers)
+
+
+def _buffer_lines(buffers: list[torch.Tensor]) -> list[str]:
+    """What the ranks must agree on before broadcasting ``buffers`` together."""
+    return [f"buffer {list(b.shape)} {b.dtype}" for b in buffers]
 
 
 def _write(p: _Part, reduced: torch.Tensor) -> None:
@@ -199,8 +218,15 @@ class EagerGradients:
         self.average = mode.reduce_op == "avg"
         self.compression = mode.compression(self.world)
         self.adopted: dict[int, weakref.ref] = {}
+        #: whether any parameter was ever adopted: the per-graph check opens a session from then
+        #: on, decided the same way on every rank (adoption is collective), where the live
+        #: ``adopted`` entries are not: a dropped model held by a reference cycle is freed when
+        #: each rank's garbage collector runs
+        self.ever_adopted = False
         #: persistent buffers of the modules adopted frames reach, broadcast after each backward()
         self.buffers: dict[int, weakref.ref] = {}
+        #: parameters and buffers verified and broadcast from the first rank (once each)
+        self.synced: dict[int, weakref.ref] = {}
         self.current: _Session | None = None
 
     def adopt_frame(self, values: list[Any], params: list[tuple[str, torch.Tensor]],
@@ -222,20 +248,29 @@ class EagerGradients:
                     if name not in module._non_persistent_buffers_set:
                         key = id(b)
                         self.buffers[key] = weakref.ref(b, lambda _, k=key: self.buffers.pop(k, None))
-        if self.world > 1:
-            named = list(tensors.values())
+        # once per tensor: a frame Dynamo gave up on comes back at every call (given_up.py)
+        named = [(n, t) for key, (n, t) in tensors.items()
+                 if (ref := self.synced.get(key)) is None or ref() is not t]
+        if self.world > 1 and named:
             sync_module_states([t for _, t in named], self.mode, [n for n, _ in named])
+        for _, t in named:
+            key = id(t)
+            self.synced[key] = weakref.ref(t, lambda _, k=key: self.synced.pop(k, None))
         for fqn, p in params:
             self.adopt(p, fqn, opens)
 
-    def broadcast_buffers(self) -> None:
-        """DDP's ``broadcast_buffers``: the adopted frames' persistent buffers (running
-        statistics) from the group's first rank, after each ``backward()``, in one coalesced
-        broadcast; not those a compiled graph broadcasts at its start (``GRAPH_SYNCED_ATTR``)."""
+    def live_buffers(self) -> list[torch.Tensor]:
+        """The adopted frames' persistent buffers that :meth:`broadcast_buffers` broadcasts: those
+        alive, not broadcast by a compiled graph at its start (``GRAPH_SYNCED_ATTR``), none
+        without ``broadcast_buffers``."""
         if self.world == 1 or not self.mode.broadcast_buffers:
-            return
-        buffers = [b for ref in list(self.buffers.values())
-                   if (b := ref()) is not None and not getattr(b, GRAPH_SYNCED_ATTR, False)]
+            return []
+        return [b for ref in list(self.buffers.values())
+                if (b := ref()) is not None and not getattr(b, GRAPH_SYNCED_ATTR, False)]
+
+    def broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """DDP's ``broadcast_buffers``: ``buffers`` (:meth:`live_buffers`, agreed by every rank)
+        from the group's first rank, after each ``backward()``, in one coalesced broadcast."""
         if buffers:
             with torch.no_grad():  # the group's first rank is the source (DataParallel.src_rank)
                 dist._broadcast_coalesced(self.group, buffers, BUCKET_BYTES, 0)
@@ -255,6 +290,7 @@ class EagerGradients:
             return
         hook.adopt(self, param, opens)
         self.adopted[key] = weakref.ref(param, lambda _, k=key: self.adopted.pop(k, None))
+        self.ever_adopted = True
 
     def session(self) -> _Session:
         """The running ``backward()``'s session, created (its callback queued) on first use."""
@@ -314,8 +350,10 @@ def for_mode(mode: DataParallel) -> EagerGradients | None:
 
 
 def of_group(group: dist.ProcessGroup) -> list[EagerGradients]:
-    """The registries of ``group`` that have adopted parameters."""
-    return [r for r in _REGISTRIES.values() if r.group is group and r.adopted]
+    """The registries of ``group`` that have ever adopted parameters (not only those whose
+    parameters live: until 2026-11-28 a dropped model freed by one rank's garbage collector
+    and not yet by the other's made the per-graph check fail on every rank)."""
+    return [r for r in _REGISTRIES.values() if r.group is group and r.ever_adopted]
 
 
 __all__ = ["EagerGradients", "for_mode", "of_group"]

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from spmd_backend.dynamo import audit, frame
+from spmd_backend.dynamo import audit, frame, given_up
 from spmd_backend.errors import SpmdError, SpmdUsageError
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def _wrap_handle_skip(original: Callable[..., Any], ours: Callable[[Any], bool],
                                      audit.where(dynamo_frame.f_code), why)
             if refused is not None:
                 raise refused
-        return original(self, result, dynamo_frame)
+        return given_up.this_call_only(original(self, result, dynamo_frame), dynamo_frame.f_code)
 
     return _handle_skip
 
@@ -255,6 +255,14 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
         if compiler_fn is None or not ours(compiler_fn):
             return original(*args, **kwargs)
         values = frame.frame_values(a["code"], a["locals"], a["globals"], a["closure"])
+        gave_up = given_up.given_up(a.get("frame_state"))
+        if gave_up is not None:  # a later call of a frame Dynamo gave up on: a new model?
+            found = [p for _, _, p in frame.trainable_parameters(values)]
+            if torch.is_grad_enabled() and gave_up.unseen(found):
+                audit.watch_skipped_frame(values, a["code"], gave_up.reason,
+                                          _eager_gradients(options_of(compiler_fn)))
+                gave_up.handed_over(found)
+            return given_up.skip_this_call(a["code"], gave_up.reason)
         exceeded, limit = convert_frame.exceeds_recompile_limit(a["cache_size"], a["compile_id"])
         if exceeded:
             refused = audit.refuse_eager_fallback(
@@ -274,6 +282,12 @@ def _refusing_eager_fallback(original: Callable[..., Any], ours: Callable[[Any],
                     reason += " (an error torch._dynamo.config.suppress_errors turns into an eager run)"
                 adopt = _eager_gradients(options_of(compiler_fn))
                 count = audit.watch_skipped_frame(values, a["code"], reason, adopt)
+                found = [p for _, _, p in frame.trainable_parameters(values)]
+                # asked again at each call (a later model); not past the recompile limit, where
+                # Dynamo runs the cached graphs only and a new model is refused above
+                if found and not exceeded:  # handed over only where gradients are on
+                    given_up.mark_given_up(a.get("frame_state"), a["code"], reason,
+                                           found if torch.is_grad_enabled() else ())
                 if adopt is not None and count:
                     log.warning(
                         'backend="spmd": Dynamo could not compile %s and runs it eagerly (%s); '

@@ -87,6 +87,20 @@ def cpu_channel(group: dist.ProcessGroup, device: torch.device) -> tuple[dist.Pr
     return found
 
 
+def schedule_agrees(digest: str, group: dist.ProcessGroup, device: torch.device | None = None) -> bool:
+    """Whether every rank of ``group`` passes the same ``digest`` (one all_reduce of two int64
+    numbers; the same answer on every rank)."""
+    world = dist.get_world_size(group)
+    if world == 1 or dist.get_backend(group) == "fake":
+        return True
+    code = schedule_code(digest)
+    channel, on = cpu_channel(group, device or torch.device("cpu"))
+    sums = torch.tensor([code, code * code], dtype=torch.int64, device=on)
+    dist.all_reduce(sums, group=channel)
+    total, squares = (int(v) for v in sums.tolist())
+    return world * squares == total * total
+
+
 def agree_on_schedule(
     digest: str, group: dist.ProcessGroup, what: str, hint: str = "",
     device: torch.device | None = None, state: str = "Nothing was changed by this call.",
@@ -94,15 +108,7 @@ def agree_on_schedule(
     """Raise on every rank of ``group`` unless every rank passes the same ``digest``
     (``device``: where the group's tensors live, used only without a CPU channel; ``state``:
     what the error says was left as it was)."""
-    world = dist.get_world_size(group)
-    if world == 1 or dist.get_backend(group) == "fake":
-        return
-    code = schedule_code(digest)
-    channel, on = cpu_channel(group, device or torch.device("cpu"))
-    sums = torch.tensor([code, code * code], dtype=torch.int64, device=on)
-    dist.all_reduce(sums, group=channel)
-    total, squares = (int(v) for v in sums.tolist())
-    if world * squares != total * total:
+    if not schedule_agrees(digest, group, device):
         raise SpmdDistributedError(
             f"spmd_backend: in this call of {what}, the ranks were about to run compiled graphs "
             "with different collectives: each would have reduced its gradients into other "
@@ -159,4 +165,4 @@ class ScheduleBook:
             agree_on_schedule(digest, group, what, hint, device)
 
 
-__all__ = ["ScheduleBook", "agree_on_schedule", "cpu_channel", "schedule_code"]
+__all__ = ["ScheduleBook", "agree_on_schedule", "cpu_channel", "schedule_agrees", "schedule_code"]
