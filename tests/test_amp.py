@@ -124,3 +124,76 @@ def test_grad_scaler_matches_ddp_with_skipped_steps(
             assert out["live_state_elements"] < 0.6 * out["full_state_elements"], out
         else:
             assert out["live_state_elements"] == out["full_state_elements"], out
+
+
+def _amp_pair(fused: bool):
+    """A model, its copy, an AdamW for each and a GradScaler for each."""
+    from spmd_backend.testing.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 2, 4)
+    ref = copy.deepcopy(model)
+    kw = {"fused": True} if fused else {}
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, **kw) for m in (model, ref)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    return model, ref, opts, scalers
+
+
+def test_a_fused_optimizer_traced_single_tensor_takes_the_scalers_select_path(fake_pg):
+    """betas[0] moving every call (OneCycleLR's cycle_momentum) traces a fused AdamW group
+    single-tensor; a GradScaler then handed it grad_scale/found_inf and the trace failed on
+    torch's assertion at the third call, and at every later one (until 2026-11-28)."""
+    from spmd_backend.testing.steps import amp_step, compiled_by
+
+    model, ref, (opt, ref_opt), (scaler, ref_scaler) = _amp_pair(fused=True)
+    step = amp_step("cpu", torch.bfloat16)
+    compiled = compiled_by("compile", step)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(4):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["betas"] = (0.9 - 0.02 * i, 0.999)
+        x = torch.randn(8, 8, generator=gen)
+        compiled(model, opt, x, scaler)
+        step(ref, ref_opt, x, ref_scaler)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+
+
+def _stepped_then_refused(model, optim, x, scaler):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optim)
+    if loss > 1e6:  # a Python decision on a tensor: the compile door refuses it
+        optim.zero_grad()
+    scaler.update()
+    optim.zero_grad()
+
+
+def _stepped_not_updated(model, optim, x, scaler):
+    scaler.scale(model(x).pow(2).mean()).backward()
+    scaler.step(optim)
+    optim.zero_grad()
+
+
+@pytest.mark.parametrize("step", [_stepped_then_refused, _stepped_not_updated])
+def test_a_refused_amp_step_leaves_the_scaler_usable(fake_pg, step):
+    """A trace that fails after ``scaler.step`` left the scaler's per-optimizer record holding
+    the trace's fake ``found_inf`` (until 2026-11-28): the next ``scaler.update()`` and every eager
+    AMP step failed. ``scaler.update()`` outside the step is refused by name, nothing changed."""
+    import spmd_backend
+    from spmd_backend.testing.steps import amp_step, compiled_by
+
+    model, _, (opt, _), (scaler, _) = _amp_pair(fused=False)
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(8, 8)
+    with pytest.raises(spmd_backend.SpmdError) as raised:
+        compiled_by("compile", step)(model, opt, x, scaler)
+    if step is _stepped_not_updated:
+        assert "scaler.update()" in str(raised.value)
+    assert dict(scaler._per_optimizer_states) == {}
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+    amp_step("cpu", torch.bfloat16)(model, opt, x, scaler)  # eager AMP goes on with the scaler
+    assert opt.state

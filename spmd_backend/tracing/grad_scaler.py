@@ -22,11 +22,13 @@ in a ``finally`` block.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.dispatch import TraceContext
 
 
@@ -83,24 +85,53 @@ def grad_scalers_swapped(
     ctx: TraceContext,
     skip_flag: SkipFlag,
 ) -> Iterator[None]:
-    """Point each GradScaler at its lifted tensors and make its skip a select; always restore."""
+    """Point each GradScaler at its lifted tensors and make its skip a select; always restore,
+    the per-optimizer records ``unscale_``/``step`` keep until ``update()`` included (until
+    2026-11-28 a trace that failed after ``scaler.step`` left a record holding the trace's fake
+    ``found_inf``: the user's next ``scaler.update()`` or eager AMP step failed)."""
     saved_attrs = [(scalers[o], name, getattr(scalers[o], name)) for o, name in aux_slots]
+    saved_attrs += [(s, "_per_optimizer_states", s._per_optimizer_states) for s in scalers
+                    if hasattr(s, "_per_optimizer_states")]
     patched: list[Any] = []
     try:
         for (o, name), t in zip(aux_slots, f_aux):
             setattr(scalers[o], name, t)
         for scaler in scalers:
             patched.append(scaler)
+            records = getattr(scaler, "_per_optimizer_states", None)
+            if records is not None:  # the trace writes its own
+                fresh = copy.copy(records)  # a defaultdict: its factory kept
+                fresh.update((k, dict(v)) for k, v in records.items())
+                scaler._per_optimizer_states = fresh
             scaler._maybe_opt_step = _selecting_opt_step(skip_flag)
             for method in ("step", "unscale_", "update"):
                 setattr(scaler, method, _in_optimizer_phase(getattr(type(scaler), method).__get__(scaler), ctx))
         yield
+        _refuse_pending_update(scalers)
     finally:
         for scaler in patched:
             for method in ("_maybe_opt_step", "step", "unscale_", "update"):
                 scaler.__dict__.pop(method, None)
         for obj, name, value in saved_attrs:
             setattr(obj, name, value)
+
+
+def _refuse_pending_update(scalers: Sequence[Any]) -> None:
+    """Raise where the traced step ran ``scaler.unscale_``/``scaler.step`` but not
+    ``scaler.update()``: the record ``update()`` reads (this step's ``found_inf``) is a value
+    of the trace, which no eager ``update()`` after the call can read (until 2026-11-28 it
+    failed there with an AttributeError, and every later call failed)."""
+    from torch.amp.grad_scaler import OptState
+
+    for scaler in scalers:
+        records = getattr(scaler, "_per_optimizer_states", None) or {}
+        if any(r.get("stage", OptState.READY) is not OptState.READY for r in records.values()):
+            raise SpmdUsageError(
+                "the step calls scaler.unscale_() or scaler.step() of a GradScaler but not "
+                "scaler.update(): the inf check update() reads is computed inside the compiled "
+                "graph, where an update() after the call cannot read it. Call scaler.update() "
+                "inside the compiled step, after scaler.step(optimizer); nothing was changed"
+            )
 
 
 def prepare_grad_scalers(scalers: Sequence[Any], device: torch.device) -> None:

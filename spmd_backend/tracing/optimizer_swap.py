@@ -34,6 +34,7 @@ from spmd_backend.tracing.sharding import ShardedStep
 from spmd_backend.tracing.tracked import ReadRecorder, RecordingGroup
 
 _T = torch._C.TensorBase
+_UNSET = object()
 #: tensor comparison methods (``t != 0`` arrives as ``TensorBase.ne``) -> the Python operator
 _COMPARISONS = {
     getattr(_T, name): op
@@ -177,6 +178,14 @@ def optimizer_swapped(
         ctx.in_optimizer = False
 
     handles = [opt.register_step_pre_hook(pre_hook), opt.register_step_post_hook(post_hook)]
+    # a fused optimizer's group traced single-tensor (a moving betas[0]/momentum) cannot take a
+    # GradScaler's grad_scale/found_inf: the scaler unscales and selects instead, as for any
+    # unfused optimizer (until 2026-11-28 the trace failed on torch's assertion, every call)
+    amp_scaling = opt.__dict__.get("_step_supports_amp_scaling", _UNSET)
+    if getattr(opt, "_step_supports_amp_scaling", False) and any(
+            traced_implementation(opt, group, g in unfused_groups) != "fused"
+            for g, group in enumerate(saved_groups) if group["params"]):
+        opt._step_supports_amp_scaling = False
     try:
         for g, group in enumerate(saved_groups):
             swapped = dict(group)
@@ -205,4 +214,8 @@ def optimizer_swapped(
         ctx.in_optimizer = False
         opt.state = saved_state
         opt.param_groups[:] = saved_groups
+        if amp_scaling is _UNSET:
+            opt.__dict__.pop("_step_supports_amp_scaling", None)
+        else:
+            opt._step_supports_amp_scaling = amp_scaling
 
