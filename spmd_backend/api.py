@@ -56,7 +56,7 @@ from spmd_backend.runtime import (
 )
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
-from spmd_backend.tracing.hyperparams import unfusing_lifts
+from spmd_backend.tracing.hyperparams import traced_implementation, unfusing_lifts
 from spmd_backend.tracing.key import Guard, StepKey
 from spmd_backend.tracing.object_state import module_state
 from spmd_backend.tracing.overrides import Override
@@ -242,9 +242,11 @@ class CompiledTrainStep:
         return None, self._last.key.explain(key, binding), None
 
     def _unfuse(self, binding: StepBinding, guard: Guard | ShapeGuard | None) -> bool:
-        """Trace a param group single-tensor when a value it changes between calls (betas[0]
-        or momentum under OneCycleLR) is baked into its fused kernel but a graph input of its
-        single-tensor form; True when that changed how the call is bound."""
+        """Trace a param group for moving values when a value it changes between calls
+        (betas[0] or momentum under OneCycleLR) is baked into the implementation it is traced
+        with (a fused kernel, foreach Adam's ``_foreach_pow``, nesterov SGD's ``alpha=``) but a
+        graph input of the single-tensor form (hyperparams.unfusing_lifts); True when that
+        changed how the call is bound."""
         opt = binding.optimizer
         if opt is None or not isinstance(guard, Guard) or guard.kind != "group":
             return False
@@ -254,12 +256,13 @@ class CompiledTrainStep:
         groups = self._unfused.get(id(opt), frozenset())
         if g in groups:
             return False
+        was = traced_implementation(opt, opt.param_groups[g])
         self._unfused[id(opt)] = groups | {g}
         log.warning(
             "spmd_backend: %s; it changes between calls (a scheduler?), so param group %d of "
             "%s is traced with its single-tensor implementation, where it is a graph input, "
-            "instead of the fused kernel, where it would need a new graph each time",
-            guard.describe(binding), g, type(opt).__name__,
+            "instead of its %s one, where it would need a new graph each time",
+            guard.describe(binding), g, type(opt).__name__, was,
         )
         return True
 

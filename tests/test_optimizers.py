@@ -195,11 +195,15 @@ def test_zero_tests_guard_the_sign(fake_pg, caplog):
         ("Adam", dict(fused=True)),  # explicitly fused: betas cannot be a fused kernel's input
         ("SGD", dict(momentum=0.9)),
         ("SGD", dict(momentum=0.9, foreach=True)),
+        # until 2026-11-28 these two retraced every call and were refused at the 9th
+        ("AdamW", dict(foreach=True)),  # betas[0] is the base of foreach's _foreach_pow
+        ("SGD", dict(momentum=0.9, nesterov=True)),  # momentum is alpha= of add
     ],
 )
 def test_one_cycle_with_cycled_momentum_retraces_at_most_once(fake_pg, caplog, name, kw):
     """OneCycleLR (cycle_momentum=True by default) changes lr and betas[0]/momentum every step.
-    A fused group is traced single-tensor after the first change, where both are inputs."""
+    A fused or foreach group is traced single-tensor after the first change, where both are
+    inputs; nesterov's momentum then goes into a product (one ulp of an update off eager)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     twin = copy.deepcopy(model)

@@ -103,6 +103,13 @@ LIFTABLE: dict[str, dict[str, tuple[Lift, ...]]] = {
     "Rprop": {"single": _RPROP, "foreach": _RPROP},
 }
 
+#: entries lifted only in a group traced for a value that moves (:func:`unfusing_lifts`): torch
+#: passes a nesterov SGD's momentum as ``alpha=`` of ``add``, which the step's trace rewrites as
+#: a product and a sum for a lifted tensor (optimizer_swap.py; eager's multiply-add rounds once,
+#: this twice: one ulp of an update). OneCycleLR/CyclicLR with ``cycle_momentum`` on
+#: ``SGD(nesterov=True)`` retraced every call until 2026-11-28 and was refused at the 9th.
+MOVING_LIFTABLE: dict[str, tuple[Lift, ...]] = {"SGD": (Lift("momentum", only_if="nesterov"),)}
+
 #: entries lifted for an optimizer class not in :data:`LIFTABLE`
 DEFAULT_LIFTABLE: tuple[Lift, ...] = (_LR,)
 
@@ -221,9 +228,11 @@ def traced_implementation(
 
     An unspecified choice is fused where :func:`_can_default_to_fused` allows, else the
     single-tensor loop (torch never picks foreach for the trace's functional tensors).
-    ``unfused`` (see :func:`unfusing_lifts`) traces a fused group single-tensor.
+    ``unfused`` (see :func:`unfusing_lifts`) traces a fused or foreach group single-tensor.
     """
-    if not unfused and (group.get("fused") or _can_default_to_fused(optimizer, group)):
+    if unfused:
+        return "single"
+    if group.get("fused") or _can_default_to_fused(optimizer, group):
         if group.get("fused"):
             warn_untrained_by_fused_kernel(optimizer)
         return "fused"
@@ -232,20 +241,24 @@ def traced_implementation(
 
 def unfusing_lifts(optimizer: torch.optim.Optimizer, g: int, key: str, index: int | None) -> bool:
     """Whether group ``g``'s ``key[index]`` (any element of ``key`` for ``index=None``), baked
-    into a graph because the group is traced fused, would be a graph input with the
-    single-tensor implementation.
+    into a graph with the implementation the group is traced with, would be a graph input in a
+    group traced for moving values: single-tensor, with :data:`MOVING_LIFTABLE` too.
 
     A scheduler that changes ``betas[0]`` or ``momentum`` (OneCycleLR, CyclicLR with
     ``cycle_momentum``) would otherwise retrace every step: the fused kernels take those as
-    Python numbers only.
+    Python numbers only, foreach Adam takes ``betas[0]`` as the base of ``_foreach_pow``, and
+    nesterov SGD passes ``momentum`` as ``alpha=`` (until 2026-11-28 only fused groups were
+    switched: foreach Adam and nesterov SGD were refused at the 9th call).
     """
     group = optimizer.param_groups[g]
     name = _torch_class(optimizer)
-    if name is None or traced_implementation(optimizer, group) != "fused":
+    if name is None:
         return False
+    baked = traced_implementation(optimizer, group) != "single"
+    lifts = (*(LIFTABLE[name].get("single", ()) if baked else ()), *MOVING_LIFTABLE.get(name, ()))
     return any(
         lift.key == key and (index is None or lift.index == index) and lift.applies(group)
-        for lift in LIFTABLE[name].get("single", ())
+        for lift in lifts
     )
 
 
@@ -262,6 +275,8 @@ def _lifts(optimizer: torch.optim.Optimizer, group: dict[str, Any], unfused: boo
         LIFTABLE[name].get(traced_implementation(optimizer, group, unfused), ())
         if name is not None else DEFAULT_LIFTABLE
     )
+    if unfused and name is not None:
+        table = (*table, *MOVING_LIFTABLE.get(name, ()))
     lifts = []
     for lift in table:
         value = group.get(lift.key)

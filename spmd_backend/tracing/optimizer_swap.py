@@ -9,7 +9,8 @@ this rank's shards of the parameters). Each param group is replaced by a
 :class:`~spmd_backend.tracing.tracked.RecordingGroup`, so the keys the step reads become the
 graph's guards. While ``step()`` runs, a lifted value compared with zero (torch's optimizers
 branch on ``if weight_decay != 0`` and ``if momentum > 0``) answers from its real value, and
-the comparison is recorded: the graph then guards on the value's sign. A step that changes a
+the comparison is recorded: the graph then guards on the value's sign; a lifted ``alpha=`` of
+``add`` becomes a product. A step that changes a
 param group entry itself (a Python step counter in the group, as some third-party optimizers
 keep) is refused: no graph can replay it. Everything (the user's group dicts included) is
 restored in a ``finally`` block.
@@ -34,7 +35,7 @@ from spmd_backend.tracing.sharding import ShardedStep
 from spmd_backend.tracing.tracked import ReadRecorder, RecordingGroup
 
 _T = torch._C.TensorBase
-_UNSET = object()
+_MISSING = object()
 #: tensor comparison methods (``t != 0`` arrives as ``TensorBase.ne``) -> the Python operator
 _COMPARISONS = {
     getattr(_T, name): op
@@ -47,22 +48,55 @@ _COMPARISONS = {
 }
 
 
-class _ZeroTests(TorchFunctionMode):
-    """Answer ``lifted <op> 0`` from the lifted value's real value, and report the slot.
+class _LiftedUses(TorchFunctionMode):
+    """Serve the uses of lifted tensors that torch's optimizer code makes as Python numbers.
 
-    On the trace's tensors such a test is a data-dependent branch. Only a comparison of a
-    lifted tensor (by identity) with the number zero is answered, as the Python bool eager
-    computes; reflected forms (``0 < t``) arrive as ``t.gt(0)``.
+    ``lifted <op> 0`` is answered from the lifted value's real value, and the slot reported: on
+    the trace's tensors such a test is a data-dependent branch. Only a comparison of a lifted
+    tensor (by identity) with the number zero is answered, as the Python bool eager computes;
+    reflected forms (``0 < t``) arrive as ``t.gt(0)``. With ``alphas``, ``x.add(y,
+    alpha=lifted)`` (nesterov SGD's momentum, lifted only where it moves:
+    hyperparams.MOVING_LIFTABLE) becomes ``x.add(y * lifted)``: torch's argument parser refuses
+    a traced tensor as ``alpha`` before any mode sees the call, so ``torch.Tensor.add`` itself is
+    wrapped while the step runs.
     """
 
     def __init__(
-        self, values: dict[int, tuple[HyperSlot, float]], report: Callable[[HyperSlot], None]
+        self, values: dict[int, tuple[HyperSlot, float]], report: Callable[[HyperSlot], None],
+        alphas: bool = False,
     ) -> None:
         super().__init__()
         self.values = values
         self.report = report
+        self.alphas = alphas
+        self._saved_add: Any = _MISSING
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        if self.alphas:
+            self._saved_add = torch.Tensor.__dict__.get("add", _MISSING)
+            lifted, add = self.values, _T.add
+
+            def add_with_lifted_alpha(t: torch.Tensor, other: Any, *, alpha: Any = 1) -> Any:
+                if id(alpha) in lifted:
+                    return add(t, other * alpha)
+                return add(t, other, alpha=alpha)
+
+            torch.Tensor.add = add_with_lifted_alpha  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._saved_add is _MISSING:
+                if "add" in torch.Tensor.__dict__:
+                    delattr(torch.Tensor, "add")
+            else:
+                torch.Tensor.add = self._saved_add  # type: ignore[method-assign]
+            self._saved_add = _MISSING
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
         op = _COMPARISONS.get(func)
         if op is not None and len(args) == 2 and not kwargs:
             hit = self.values.get(id(args[0]))
@@ -70,10 +104,7 @@ class _ZeroTests(TorchFunctionMode):
             if hit is not None and type(other) in (int, float) and other == 0:
                 self.report(hit[0])
                 return op(hit[1], 0)
-        return func(*args, **(kwargs or {}))
-
-
-_MISSING = object()
+        return func(*args, **kwargs)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -154,9 +185,9 @@ def optimizer_swapped(
     for i, entries in f_state.items():
         new_state[f_params[i]] = dict(entries)
 
-    zero_tests = _ZeroTests(
+    zero_tests = _LiftedUses(
         {id(t): (slot, float(slot_value(opt, slot))) for slot, t in f_hyper.items()},
-        recorder.compared_with_zero,
+        recorder.compared_with_zero, alphas=bool(unfused_groups),
     )
     in_step = contextlib.ExitStack()
     #: step() calls under way: a subclass's step() calling super().step() runs the hooks twice,
@@ -181,7 +212,7 @@ def optimizer_swapped(
     # a fused optimizer's group traced single-tensor (a moving betas[0]/momentum) cannot take a
     # GradScaler's grad_scale/found_inf: the scaler unscales and selects instead, as for any
     # unfused optimizer (until 2026-11-28 the trace failed on torch's assertion, every call)
-    amp_scaling = opt.__dict__.get("_step_supports_amp_scaling", _UNSET)
+    amp_scaling = opt.__dict__.get("_step_supports_amp_scaling", _MISSING)
     if getattr(opt, "_step_supports_amp_scaling", False) and any(
             traced_implementation(opt, group, g in unfused_groups) != "fused"
             for g, group in enumerate(saved_groups) if group["params"]):
@@ -214,7 +245,7 @@ def optimizer_swapped(
         ctx.in_optimizer = False
         opt.state = saved_state
         opt.param_groups[:] = saved_groups
-        if amp_scaling is _UNSET:
+        if amp_scaling is _MISSING:
             opt.__dict__.pop("_step_supports_amp_scaling", None)
         else:
             opt._step_supports_amp_scaling = amp_scaling
