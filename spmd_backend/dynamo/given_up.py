@@ -10,20 +10,18 @@ head) reached parameters nobody had adopted: their eager gradients were refused 
 step, where DDP trains them.
 
 Now, for a frame that reached trainable parameters when Dynamo gave up on it, the skip applies
-to that call only (``ConvertFrameReturn.apply_to_code=False``): each later call comes back
-through Dynamo's frame callback to ``_compile``, where :func:`given_up` finds the frame's mark;
-the caller hands the parameters this call reaches to the audit when any is new (adopted,
-verified and broadcast once, as the first call's were) and skips the frame again without
-tracing it (:func:`skip_this_call`).
+to that call only (``ConvertFrameReturn.apply_to_code=False``): each later call comes back to
+Dynamo's frame callback, whose wrapper (eager_guard) finds the frame's mark with
+:func:`given_up` first, hands the parameters this call reaches to the audit when any is new
+(adopted, verified and broadcast once, as the first call's were) and skips the frame again
+without tracing it (:func:`skip_this_call`).
 
 Requires torch 2.13 internals: ``ConvertFrameReturn`` and its ``apply_to_code``,
-``CatchErrorsWrapper._handle_skip`` (given every callback's result), the ``frame_state`` dict
-Dynamo keeps per code object and clears in ``torch._dynamo.reset()`` (after which Dynamo tries
-the frame again, as it would without this module), and
-``eval_frame.dynamo_tls.traced_frame_infos`` (Dynamo's record of each frame it tried, which
-would otherwise grow by one entry per call). Costs: per call of such a frame, Dynamo's frame
-callback up to ``_compile`` (about 0.4 ms here, most of it Dynamo's) and a walk over the parameters the frame
-reaches.
+``CatchErrorsWrapper.__call__`` (Dynamo's frame callback, given the code's ``frame_state``) and
+``_handle_skip`` (given every callback's result), and the ``frame_state`` dict Dynamo keeps per
+code object and clears in ``torch._dynamo.reset()`` (after which Dynamo tries the frame again,
+as it would without this module). Costs: per call of such a frame, a walk over the parameters
+it reaches (about 0.05 ms for a small model here).
 """
 
 from __future__ import annotations
@@ -89,15 +87,12 @@ def this_call_only(result: Any, code: Any) -> Any:
     return result
 
 
-def skip_this_call(code: Any, reason: str) -> Any:
-    """What ``_compile`` returns for a later call of ``code``: run it eagerly, this call only,
-    as Dynamo ran the call that gave up (its callees are still compiled)."""
-    from torch._dynamo.eval_frame import dynamo_tls
+def skip_this_call(reason: str) -> Any:
+    """What Dynamo's frame callback returns for a later call of a code it gave up on: run it
+    eagerly, this call only, as Dynamo ran the call that gave up (its callees are still
+    compiled)."""
     from torch._dynamo.types import ConvertFrameReturn
 
-    tried = dynamo_tls.traced_frame_infos  # one entry per attempt: drop this call's
-    if tried and tried[-1].startswith(f"{code.co_name} {code.co_filename}:"):
-        tried.pop()
     return ConvertFrameReturn(apply_to_code=False, skip_reason=f'backend="spmd": {reason}')
 
 
