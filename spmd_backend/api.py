@@ -258,11 +258,14 @@ class CompiledTrainStep:
             return False
         was = traced_implementation(opt, opt.param_groups[g])
         self._unfused[id(opt)] = groups | {g}
+        how = (f"is traced with its single-tensor implementation, where it is a graph input, "
+               f"instead of its {was} one" if was != "single" else
+               "takes it as a graph input, multiplied where torch passes it as alpha= of add "
+               "(one ulp of an update off eager)")
         log.warning(
             "spmd_backend: %s; it changes between calls (a scheduler?), so param group %d of "
-            "%s is traced with its single-tensor implementation, where it is a graph input, "
-            "instead of its %s one, where it would need a new graph each time",
-            guard.describe(binding), g, type(opt).__name__, was,
+            "%s %s, where it would need a new graph each time",
+            guard.describe(binding), g, type(opt).__name__, how,
         )
         return True
 

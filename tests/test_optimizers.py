@@ -221,8 +221,21 @@ def test_one_cycle_with_cycled_momentum_retraces_at_most_once(fake_pg, caplog, n
     assert compiled.cache_size() <= 2 and compiled.trace_count <= 3
     retraces = [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
     assert len(retraces) <= 1, retraces
+    assert "add" not in torch.Tensor.__dict__  # nesterov's alpha= rewrite is undone
     for k, v in _state(twin, ref).items():
         torch.testing.assert_close(_state(model, opt)[k], v, msg=k)
+
+
+def test_a_fused_sgd_group_its_kernel_skips_is_not_switched_to_single_tensor():
+    """torch 2.13's CPU fused SGD skips every full 16 elements of bfloat16 parameters and leaves
+    their momentum buffers partly unwritten (in eager too): a single-tensor step after a moving
+    momentum read that memory (NaN parameters with nesterov, found in review 2026-11-28)."""
+    from spmd_backend.tracing.hyperparams import unfusing_lifts
+
+    for dtype, switched in ((torch.bfloat16, False), (torch.float32, True)):
+        model = nn.Linear(8, 4).to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, fused=True)
+        assert unfusing_lifts(opt, 0, "momentum", None) is switched, dtype
 
 
 def test_cyclic_lr_with_momentum_does_not_retrace(fake_pg):

@@ -199,9 +199,12 @@ def _wrap_catch_errors_call(original: Callable[..., Any], ours: Callable[[Any], 
         if torch.is_grad_enabled():
             values = _values_of(dynamo_frame)
             found = [p for _, _, p in frame.trainable_parameters(values)]
-            if gave_up.unseen(found):  # a new model, a new head
-                audit.watch_skipped_frame(values, dynamo_frame.f_code, gave_up.reason,
-                                          _eager_gradients(options_of(backend)))
+            if gave_up.unseen(found):  # a new model, a new head: adopted as Dynamo would
+                from torch._dynamo.convert_frame import _disable_current_modes, compile_lock
+
+                with compile_lock, _disable_current_modes():  # outside the user's modes
+                    audit.watch_skipped_frame(values, dynamo_frame.f_code, gave_up.reason,
+                                              _eager_gradients(options_of(backend)))
                 gave_up.handed_over(found)
         return given_up.skip_this_call(gave_up.reason)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import operator
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,16 +71,21 @@ class _LiftedUses(TorchFunctionMode):
         self.report = report
         self.alphas = alphas
         self._saved_add: Any = _MISSING
+        self._depth = 0  # a subclass's step() calling super().step() enters twice
 
     def __enter__(self):  # type: ignore[no-untyped-def]
-        if self.alphas:
+        self._depth += 1
+        if self.alphas and self._depth == 1:
             self._saved_add = torch.Tensor.__dict__.get("add", _MISSING)
-            lifted, add = self.values, _T.add
+            lifted, add, thread = self.values, torch.Tensor.add, threading.get_ident()
 
-            def add_with_lifted_alpha(t: torch.Tensor, other: Any, *, alpha: Any = 1) -> Any:
-                if id(alpha) in lifted:
-                    return add(t, other * alpha)
-                return add(t, other, alpha=alpha)
+            def add_with_lifted_alpha(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                alpha = kwargs.get("alpha")
+                if len(args) == 1 and alpha is not None and id(alpha) in lifted \
+                        and threading.get_ident() == thread:
+                    rest = {k: v for k, v in kwargs.items() if k != "alpha"}
+                    return add(t, args[0] * alpha, **rest)
+                return add(t, *args, **kwargs)
 
             torch.Tensor.add = add_with_lifted_alpha  # type: ignore[method-assign]
         return super().__enter__()
@@ -88,12 +94,14 @@ class _LiftedUses(TorchFunctionMode):
         try:
             super().__exit__(*exc)
         finally:
-            if self._saved_add is _MISSING:
-                if "add" in torch.Tensor.__dict__:
-                    delattr(torch.Tensor, "add")
-            else:
-                torch.Tensor.add = self._saved_add  # type: ignore[method-assign]
-            self._saved_add = _MISSING
+            self._depth -= 1
+            if self.alphas and self._depth == 0:
+                if self._saved_add is _MISSING:
+                    if "add" in torch.Tensor.__dict__:
+                        delattr(torch.Tensor, "add")
+                else:
+                    torch.Tensor.add = self._saved_add  # type: ignore[method-assign]
+                self._saved_add = _MISSING
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
