@@ -727,3 +727,51 @@ def test_a_dropped_model_freed_at_each_ranks_own_time_does_not_stop_the_next(ran
     dropped model, so the check failed on every rank."""
     for worst in rank_pool.run(_dropped_model_job):
         assert worst < 1e-6, worst
+
+
+class _NormedAfterBreak(nn.Module):
+    """A graph break (a disabled logging call) between a Linear and a BatchNorm: per-graph mode,
+    BatchNorm's backward in a compiled backward graph whose bucket holds its gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32, bias=False)
+        self.norm = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        _log_shape(h)
+        return self.fc2(self.norm(h))
+
+
+def _inductor_batchnorm_job(rank: int, world: int) -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _NormedAfterBreak()
+    ddp = DDP(copy.deepcopy(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def step(m, o, x, y):
+        nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+        o.zero_grad()
+
+    compiled = torch.compile(step, backend="spmd", options={"background_compile": False})
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        compiled(model, opt, x, y)
+        step(ddp, ref_opt, x, y)
+    return max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters()))
+
+
+def test_inductor_keeps_batchnorm_gradients_out_of_the_reduced_bucket(rank_pool):
+    """Inductor wrote BatchNorm's weight-gradient reduction straight into the bucket, ran the
+    all_reduce in place on it, and then computed the input gradient from the summed value: 5.6e-3
+    off DDP after one SGD step, silently (until 2026-11-28; lowering/bucket_inputs.py)."""
+    for worst in rank_pool.run(_inductor_batchnorm_job):
+        assert worst < 1e-6, worst

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from spmd_backend.errors import SpmdError, SpmdGraphError
+from spmd_backend.lowering.bucket_inputs import protect_bucket_inputs
 from spmd_backend.lowering.cat_layout import keep_cat_layouts
 from spmd_backend.lowering.fused_decomp import decompose_fused_optimizers
 from spmd_backend.lowering.scalar_chains import SCALAR_CHAIN_PASS
@@ -89,11 +90,12 @@ def example_inputs(gm: fx.GraphModule) -> list[Any]:
 
 def flat_for_inductor(gm: fx.GraphModule) -> tuple[fx.GraphModule, Any]:
     """The copy of ``gm`` Inductor compiles (flat outputs, fused optimizer kernels decomposed,
-    one-tensor concatenations copied in eager's layout) and the spec that nests its outputs
-    back."""
+    one-tensor concatenations copied in eager's layout, bucket inputs read elsewhere copied
+    before their bucket) and the spec that nests its outputs back."""
     flat_gm, spec = _flat_output_copy(gm)
     decompose_fused_optimizers(flat_gm)
     keep_cat_layouts(flat_gm)
+    protect_bucket_inputs(flat_gm)
     return flat_gm, spec
 
 
