@@ -17,6 +17,11 @@ Guarantees, while work is held for a module or an optimizer:
   name the fix: ``train_step.flush()`` on every rank first. They do not run the work themselves:
   its collective would run on the ranks that read alone (``if rank == 0: torch.save(...)``) and
   hang, or meet another collective of the other ranks and mix their data.
+* ``module.load_state_dict()`` and ``optimizer.load_state_dict()`` outside any trace raise
+  :class:`~spmd_backend.errors.SpmdUsageError` before anything is loaded: the held work (an
+  update computed before the load) would be applied on top of the loaded state at the next
+  call (a rollback to a checkpoint was 8.7e-3 off DDP after one more step, silently, until
+  2026-11-28). The error names the fix, ``flush()`` on every rank before loading.
 * The forward pre-hook is marked with :data:`INTERNAL_HOOK_ATTR`: the step cache key and the
   free-value walk skip it, so holding work never makes the step retrace.
 """
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.key import INTERNAL_HOOK_ATTR
 
 log = logging.getLogger(__name__)
@@ -91,11 +97,33 @@ def _optimizer_state_dict_hook(optimizer: torch.optim.Optimizer) -> None:
     _warn(optimizer, f"{type(optimizer).__qualname__}.state_dict() was read")
 
 
+def _refuse_load(obj: Any) -> None:
+    holder = _HELD.get(obj)
+    if holder is None or _tracing():
+        return
+    raise SpmdUsageError(
+        f"{type(obj).__qualname__}.load_state_dict() while {holder.name} holds work for its next "
+        "call (an iter_move_grads_and_optimizers transformation moved a bucket's all_reduce and "
+        "optimizer update there): that update, computed before this load, would be applied on "
+        f"top of the loaded state. Call {holder.name}.flush() on every rank before loading; "
+        "nothing was loaded."
+    )
+
+
+def _module_load_pre_hook(module: nn.Module, *_: Any) -> None:
+    _refuse_load(module)
+
+
+def _optimizer_load_pre_hook(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+    _refuse_load(optimizer)
+
+
 def _forward_pre_hook(module: nn.Module, args: Any) -> None:
     _warn(module, f"{type(module).__qualname__} was called outside the compiled step")
 
 
-setattr(_forward_pre_hook, INTERNAL_HOOK_ATTR, True)
+for _hook in (_forward_pre_hook, _module_load_pre_hook):
+    setattr(_hook, INTERNAL_HOOK_ATTR, True)
 
 
 def hold(objs: Iterable[Any], flush: Flush, name: str) -> None:
@@ -110,8 +138,10 @@ def hold(objs: Iterable[Any], flush: Flush, name: str) -> None:
             _STATE_HOOKED.add(obj)
             if isinstance(obj, nn.Module):
                 obj.register_state_dict_pre_hook(_module_state_dict_hook)
+                obj.register_load_state_dict_pre_hook(_module_load_pre_hook)
             elif isinstance(obj, torch.optim.Optimizer):
                 obj.register_state_dict_pre_hook(_optimizer_state_dict_hook)
+                obj.register_load_state_dict_pre_hook(_optimizer_load_pre_hook)
         if isinstance(obj, nn.Module) and obj not in _FORWARD:
             _FORWARD[obj] = obj.register_forward_pre_hook(_forward_pre_hook)
 
