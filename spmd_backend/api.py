@@ -56,7 +56,7 @@ from spmd_backend.runtime import (
 )
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.grad_scaler import prepare_grad_scalers
-from spmd_backend.tracing.hyperparams import traced_implementation, unfusing_lifts
+from spmd_backend.tracing.hyperparams import moving_value_plan, unfusing_lifts
 from spmd_backend.tracing.key import Guard, StepKey
 from spmd_backend.tracing.object_state import module_state
 from spmd_backend.tracing.overrides import Override
@@ -242,11 +242,9 @@ class CompiledTrainStep:
         return None, self._last.key.explain(key, binding), None
 
     def _unfuse(self, binding: StepBinding, guard: Guard | ShapeGuard | None) -> bool:
-        """Trace a param group for moving values when a value it changes between calls
-        (betas[0] or momentum under OneCycleLR) is baked into the implementation it is traced
-        with (a fused kernel, foreach Adam's ``_foreach_pow``, nesterov SGD's ``alpha=``) but a
-        graph input of the single-tensor form (hyperparams.unfusing_lifts); True when that
-        changed how the call is bound."""
+        """Trace a param group for moving values when one it changes between calls (betas[0],
+        momentum under OneCycleLR) is baked into its implementation but a graph input of the
+        single-tensor form (hyperparams.unfusing_lifts); True when that changed the binding."""
         opt = binding.optimizer
         if opt is None or not isinstance(guard, Guard) or guard.kind != "group":
             return False
@@ -256,12 +254,8 @@ class CompiledTrainStep:
         groups = self._unfused.get(id(opt), frozenset())
         if g in groups:
             return False
-        was = traced_implementation(opt, opt.param_groups[g])
+        how = moving_value_plan(opt, g)  # before the group is marked
         self._unfused[id(opt)] = groups | {g}
-        how = (f"is traced with its single-tensor implementation, where it is a graph input, "
-               f"instead of its {was} one" if was != "single" else
-               "takes it as a graph input, multiplied where torch passes it as alpha= of add "
-               "(one ulp of an update off eager)")
         log.warning(
             "spmd_backend: %s; it changes between calls (a scheduler?), so param group %d of "
             "%s %s, where it would need a new graph each time",

@@ -271,6 +271,17 @@ def unfusing_lifts(optimizer: torch.optim.Optimizer, g: int, key: str, index: in
     )
 
 
+def moving_value_plan(optimizer: torch.optim.Optimizer, g: int) -> str:
+    """How group ``g`` will take a moving value once traced for it (:func:`unfusing_lifts`), in
+    the words of the retrace log."""
+    was = traced_implementation(optimizer, optimizer.param_groups[g])
+    if was != "single":
+        return ("is traced with its single-tensor implementation, where it is a graph input, "
+                f"instead of its {was} one")
+    return ("takes it as a graph input, multiplied where torch passes it as alpha= of add (one "
+            "ulp of an update off eager)")
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, float) or (
         isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
