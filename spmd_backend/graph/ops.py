@@ -181,6 +181,13 @@ def is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and is_view_target(node.target)
 
 
+def view_root(node: fx.Node) -> fx.Node:
+    """What ``node`` is a view of, through any chain of views (``node`` itself if none)."""
+    while is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def reads_only(node: fx.Node) -> bool:
     """An op call that neither writes its inputs nor is anything but an op (not the output)."""
     schema = getattr(node.target, "_schema", None)

@@ -37,9 +37,10 @@ log = logging.getLogger(__name__)
 def _bucket_of(collective: fx.Node) -> fx.Node | None:
     """The ``cat`` a collective's first tensor input is a view of, if any."""
     node = collective.args[0] if collective.args else None
-    while isinstance(node, fx.Node) and ops.is_view(node):
-        node = node.args[0]
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in ops.CAT_TARGETS:
+    if not isinstance(node, fx.Node):
+        return None
+    node = ops.view_root(node)
+    if node.op == "call_function" and node.target in ops.CAT_TARGETS:
         return node
     return None
 

@@ -49,15 +49,9 @@ def _aliases(node: fx.Node) -> set[fx.Node]:
     return found
 
 
-def _view_root(node: fx.Node) -> fx.Node:
-    while ops.is_view(node) and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
 def _movable(copy: fx.Node, last: int, order: dict[fx.Node, int]) -> bool:
     dst, src = copy.args[0], copy.args[1]
-    if copy.users or not isinstance(src, fx.Node) or _view_root(src).op == "placeholder":
+    if copy.users or not isinstance(src, fx.Node) or ops.view_root(src).op == "placeholder":
         return False
     here = order[copy]
     for alias in _aliases(dst):
