@@ -116,6 +116,7 @@ class StepBinding:
         unique = _unique_modules(walk)
         params, param_names = _unique_named(_members(unique, "_parameters"))
         buffers, buffer_names = _unique_named(_members(unique, "_buffers"))
+        _check_initialized(params + buffers, param_names + buffer_names)
         _check_state(module, optimizer, params)
         tracked = frozenset(
             j for j, (leaf, path) in enumerate(zip(flat, paths))
@@ -387,6 +388,18 @@ def _module_and_optimizer(
     if optimizer is not None:
         check_optimizer_supported(optimizer)
     return modules[0], optimizer
+
+
+def _check_initialized(tensors: list[torch.Tensor], names: list[tuple[str, ...]]) -> None:
+    """A lazy module's parameters and buffers take their shape in its first forward."""
+    lazy = [n[0] for t, n in zip(tensors, names) if nn.parameter.is_lazy(t)]
+    if lazy:
+        raise SpmdUsageError(
+            f"spmd_backend.compile: {', '.join(lazy)} are not initialized yet (a lazy module, "
+            "torch.nn.LazyLinear and friends, sizes them in its first forward). Run one "
+            "forward on a batch before compiling and before creating the optimizer, as torch "
+            "recommends for lazy modules"
+        )
 
 
 def _check_state(

@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.hyperparams import HyperSlot, gather_hyperparameters
-from spmd_backend.tracing.side_effects import AttributeEffect, Effect
+from spmd_backend.tracing.side_effects import AttributeEffect, BufferEffect, Effect
 
 T = TypeVar("T")
 
@@ -186,7 +186,7 @@ class StepLayout:
 
     @staticmethod
     def _apply(effect: Effect, binding: StepBinding, value: Any) -> None:
-        if isinstance(effect, AttributeEffect):
+        if isinstance(effect, (AttributeEffect, BufferEffect)):
             effect.apply(binding.modules, value)
         else:
             effect.apply(binding.original, value)

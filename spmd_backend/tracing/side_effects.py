@@ -26,6 +26,10 @@ the trace sees as a copy, nothing at all), and no later call repeated it: silent
   (the value, not its autograd history); set to a container of such tensors: refused in a
   module class of the user's, put back as it was in torch's or a library's (a recurrent
   layer's ``_flat_weights`` list, which torch refreshes itself);
+* a buffer the step registers (``register_buffer`` in a first forward): registered with the
+  graph's output after each successful run (:class:`BufferEffect`); a parameter or submodule it
+  registers is refused (the optimizer could not hold it). A buffer it *rebinds* is
+  :mod:`spmd_backend.tracing.rebound_buffers`' business;
 * a key of an argument dict set to such a tensor or to a plain value, or deleted: done to the
   caller's dict of that call after each successful run (:class:`ItemEffect`);
 * anything else that changed a container outside the step (a list append, a global dict's key, a
@@ -110,6 +114,23 @@ class AttributeEffect:
 
 
 @dataclass(frozen=True)
+class BufferEffect:
+    """``modules[module].register_buffer(<name>, <graph output>, persistent)`` after each
+    successful run (a buffer the step registered; an existing one is rebound)."""
+
+    module: int
+    name: str
+    persistent: bool
+
+    def apply(self, modules: Sequence[tuple[str, nn.Module]], value: Any) -> None:
+        mod = modules[self.module][1]
+        if self.name in mod._buffers:
+            mod._buffers[self.name] = value
+        else:
+            mod.register_buffer(self.name, value, persistent=self.persistent)
+
+
+@dataclass(frozen=True)
 class ItemEffect:
     """``<argument container at path>[key] = value`` (or ``del``) on the caller's objects."""
 
@@ -128,7 +149,7 @@ class ItemEffect:
             container[self.key] = value
 
 
-Effect = AttributeEffect | ItemEffect
+Effect = AttributeEffect | BufferEffect | ItemEffect
 
 
 @dataclass
@@ -203,6 +224,8 @@ class StateSnapshot:
         self.arguments = arguments
         self.arg_label = arg_label
         self.module_attrs = [dict(vars(m)) for _, m in modules]
+        self.module_members = [(set(m._buffers), set(m._parameters), set(m._modules))
+                               for _, m in modules]
         self.items = 0
         self.outside: list[_Record] = []
         bound = {id(m) for _, m in modules}
@@ -265,6 +288,21 @@ class StateSnapshot:
         return found
 
     def _module_effects(self, found: Effects) -> None:
+        for i, ((name, mod), (buffers, params, children)) in enumerate(
+                zip(self.modules, self.module_members)):
+            prefix = name + "." if name else ""
+            for attr in mod._parameters.keys() - params:
+                raise _refusal(f"registers parameter {prefix}{attr} (create it in the "
+                               "module's __init__, before the optimizer)")
+            for attr in mod._modules.keys() - children:
+                raise _refusal(f"registers submodule {prefix}{attr}")
+            for attr in mod._buffers.keys() - buffers:
+                value = mod._buffers[attr]
+                effect = BufferEffect(i, attr, attr not in mod._non_persistent_buffers_set)
+                if is_trace_tensor(value):
+                    found.tensors.append((effect, value))
+                else:
+                    found.consts.append((effect, value))
         for i, ((name, mod), before) in enumerate(zip(self.modules, self.module_attrs)):
             for attr, value in vars(mod).items():
                 if attr in _MODULE_INTERNALS or before.get(attr, _MISSING) is value:
@@ -328,7 +366,15 @@ class StateSnapshot:
         """Put the bound modules' attributes back as they were before the step: all of them, or
         only those that hold a trace tensor (which would outlive the trace; a plain value the
         step changed stays, as eager leaves it, and the key retraces on it)."""
-        for (_, mod), before in zip(self.modules, self.module_attrs):
+        for (_, mod), before, (buffers, params, children) in zip(
+                self.modules, self.module_attrs, self.module_members):
+            for attr in mod._buffers.keys() - buffers:  # registered by the step
+                del mod._buffers[attr]
+                mod._non_persistent_buffers_set.discard(attr)
+            for attr in mod._parameters.keys() - params:
+                del mod._parameters[attr]
+            for attr in mod._modules.keys() - children:
+                del mod._modules[attr]
             state = vars(mod)
             for attr in [a for a in state if a not in _MODULE_INTERNALS]:
                 if only_trace_tensors and not _holds_trace_tensor(state[attr]):

@@ -10,7 +10,9 @@
    reparametrized, the optimizer and GradScalers pointed at the lifted tensors, argument dicts
    replaced by read-tracking copies, and buffers passed through ``buffer_sync`` markers; the
    Python state it can write is snapshotted before and compared after
-   (:mod:`spmd_backend.tracing.side_effects`: assignments replayed, other writes refused).
+   (:mod:`spmd_backend.tracing.side_effects`: assignments replayed, other writes refused), and
+   a buffer it rebinds is written into its lifted buffer
+   (:mod:`spmd_backend.tracing.rebound_buffers`).
 3. :meth:`~StepFunction.collect_outputs`: the user's return value, the optimizer state created
    or replaced by the step, the final gradients, the values of its replayed Python writes and
    (with a GradScaler) whether the optimizer step was skipped become the graph outputs
@@ -59,6 +61,7 @@ from spmd_backend.tracing.markers import (
     check_dense_gradient,
 )
 from spmd_backend.tracing.optimizer_swap import optimizer_swapped
+from spmd_backend.tracing.rebound_buffers import write_rebound_buffers
 from spmd_backend.tracing.sharding import ShardedStep, ShardSpec
 from spmd_backend.tracing.side_effects import Effects, Path, StateSnapshot
 from spmd_backend.tracing.tracked import ReadRecorder, rebuild_tracked
@@ -262,6 +265,14 @@ class StepFunction:
                         if view is None:
                             fb.copy_(BUFFER_SYNC(fb, names[0]))
                 out = self.fn(*args, **kwargs)
+                shared = [v is not None or any(w is not None and w[0] == j
+                                               for w in self.buffer_views)
+                          for j, v in enumerate(self.buffer_views)]
+                rebound = write_rebound_buffers(binding.module, binding.buffer_names,
+                                                lifted.buffers, shared)
+                if rebound:
+                    log.info("spmd_backend: the step rebinds buffer(s) %s; their new values "
+                             "are written back after each run", ", ".join(rebound))
         except BaseException:
             snapshot.restore()  # a failed trace leaves the Python state as it found it
             raise
