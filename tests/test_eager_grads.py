@@ -339,6 +339,30 @@ class _TiedInDisabled(nn.Module):
         return _eager_projection(torch.tanh(self.mid(self.emb(x))), self.emb.weight)[:, :1]
 
 
+class _ReentrantInside(nn.Module):
+    """``checkpoint_sequential(..., use_reentrant=True)`` over torch layers: Dynamo does not
+    compile it, and its backward runs another ``backward()`` inside the step's. ``tied``: the
+    head reuses the first checkpointed weight, so its gradient arrives in both."""
+
+    def __init__(self, tied: bool = False, head: bool = True, first: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        # first: only the first segment has parameters (checkpoint_sequential runs the last one
+        # plainly), so the inner backward() runs before any eager part of the step's arrives
+        self.blocks = (nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Tanh()) if first else
+                       nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()))
+        self.out = nn.Linear(8, 3) if head else None
+        self.tied = tied
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        h = checkpoint_sequential(self.blocks, 2, self.inp(x), use_reentrant=True)
+        if self.out is None:
+            return h
+        return self.out(h) + (h @ self.blocks[0].weight).sum(-1, keepdim=True) * self.tied
+
+
 def _vectors(g: torch.Generator) -> torch.Tensor:
     return torch.randn(8, 8, generator=g)
 
@@ -352,7 +376,12 @@ def _padded_ids(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 _BROKEN_INSIDE = {"batchnorm_momentum_none": (_CumulativeNorm, _vectors),
                   "lstm_packed_sequence": (_PackedLSTM, _padded_ids),
-                  "parameter_in_disabled_function": (_TiedInDisabled, _vectors)}
+                  "parameter_in_disabled_function": (_TiedInDisabled, _vectors),
+                  "reentrant_checkpoint": (_ReentrantInside, _vectors),
+                  "reentrant_checkpoint_tied": (lambda: _ReentrantInside(tied=True), _vectors),
+                  "reentrant_checkpoint_last": (lambda: _ReentrantInside(head=False), _vectors),
+                  "reentrant_checkpoint_first": (lambda: _ReentrantInside(head=False, first=True),
+                                                 _vectors)}
 
 
 def _square_step(model, opt, x):
@@ -361,14 +390,14 @@ def _square_step(model, opt, x):
     opt.zero_grad()
 
 
-def _with_ddp_twin(build):
+def _with_ddp_twin(build, **ddp_options):
     """A fresh model (seed 0), its SGD-momentum optimizer, a DDP copy and the copy's optimizer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build()
-    ddp = DDP(copy.deepcopy(model))
+    ddp = DDP(copy.deepcopy(model), **ddp_options)
     return (model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
             ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
 
@@ -377,7 +406,8 @@ def _broken_inside_job(rank: int, world: int, case: str) -> tuple[float, float]:
     """3 SGD-momentum steps through ``backend="spmd"`` and through DDP, each rank on its own
     batches: (largest parameter difference, largest buffer difference from DDP's rank 0)."""
     build, batch = _BROKEN_INSIDE[case]
-    model, opt, ddp, ref_opt = _with_ddp_twin(build)
+    # DDP needs a static graph for a reentrant checkpoint ("mark a variable ready only once")
+    model, opt, ddp, ref_opt = _with_ddp_twin(build, static_graph=case.startswith("reentrant"))
     params = _beside_ddp(_square_step, model, opt, ddp, ref_opt, batch, rank)
     buffers = 0.0
     for mine, ref in zip(model.buffers(), ddp.module.buffers()):
@@ -391,7 +421,9 @@ def _broken_inside_job(rank: int, world: int, case: str) -> tuple[float, float]:
 def test_a_graph_break_inside_a_module_dynamo_does_not_compile_trains_like_ddp(rank_pool, case):
     """Before 2026-11-28 the Dynamo door refused these steps in ``backward()`` (the gradients of
     the eagerly run module were never reduced), after the forward had run; DDP trains them. The
-    frame compiled in pieces now has the parameters it reaches adopted before any piece runs."""
+    frame compiled in pieces now has the parameters it reaches adopted before any piece runs.
+    The reentrant checkpoint was refused until later that day: the ``backward()`` it runs inside
+    the step's was taken for one outside the compiled step."""
     for params, buffers in rank_pool.run(_broken_inside_job, case):
         assert params < 1e-6 and buffers < 1e-6, (case, params, buffers)
 

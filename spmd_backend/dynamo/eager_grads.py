@@ -57,6 +57,12 @@ was empty and nothing compiled contributed. With ``torch.autograd.grad`` (no acc
 nothing is reduced or written, as with DDP. The reduced part is written as what ``.grad`` held
 before this ``backward()`` plus the reduced gradient, so replicas stay bitwise equal.
 
+A ``backward()`` run inside a node of the step's (a reentrant checkpoint's recompute and
+backward: ``checkpoint_sequential(..., use_reentrant=True)``, which Dynamo does not compile) is
+part of it: its parts join the running session, or, where none is open yet, are handed to the
+enclosing ``backward()``'s when that node is done (a post hook on it). Before 2026-11-28 its own
+end refused them as if it ran outside the compiled step.
+
 A session reduces only when every rank runs it: the per-graph check opened it (a compiled
 backward graph runs in this ``backward()`` on every rank), or a part of a frame Dynamo gave up
 on arrived (that frame runs eagerly inside the step on every rank). The parameters of a frame
@@ -116,6 +122,37 @@ class _Session:
     #: backward graph runs in this backward() on every rank), or a part of a frame Dynamo gave
     #: up on arrived (that frame runs eagerly inside the step on every rank)
     collective: bool = False
+    #: the callback queued on this session's graph task: autograd drops it when the task ends,
+    #: finished or failed, so a session whose callback is gone and never ran is stale
+    queued: weakref.ref | None = None
+    done: bool = False
+
+    def running(self) -> bool:
+        """Its ``backward()`` is still running (a reentrant one may run inside it)."""
+        return not self.done and self.queued is not None and self.queued() is not None
+
+    def add(self, part: _Part) -> None:
+        """One part per parameter: a second (a parameter used inside a reentrant checkpoint and
+        outside it, or in two) adds to the first, whose ``before`` predates both."""
+        for q in self.parts:
+            if q.param is part.param:
+                q.eager = q.eager + part.eager
+                if part.compiled is not None:
+                    q.compiled = part.compiled if q.compiled is None else q.compiled + part.compiled
+                return
+        self.parts.append(part)
+
+    def _hand_up(self, node: Any) -> None:
+        """A ``backward()`` run inside a node of another (a reentrant checkpoint's): its parts are
+        the enclosing ``backward()``'s, reduced at its end; handed over once that node is done."""
+        def absorb(*_: Any) -> None:
+            if self.parts or self.collective:
+                enclosing = self.owner.session()
+                enclosing.collective = enclosing.collective or self.collective
+                for part in self.parts:
+                    enclosing.add(part)
+                self.parts, self.collective = [], False
+        node.register_hook(absorb)
 
     @torch.compiler.disable
     def finish(self) -> None:
@@ -123,9 +160,14 @@ class _Session:
         ``backward()`` no rank-wide event opened (an eager backward outside the compiled step,
         a saliency map on one rank), refuse its eager parts without any collective."""
         owner = self.owner
+        self.done = True
         if owner.current is self:
             owner.current = None
         if owner.world == 1:
+            return
+        node = torch._C._current_autograd_node()
+        if node is not None:  # inside a node of an enclosing backward()
+            self._hand_up(node)
             return
         if not self.collective:
             if self.parts:
@@ -293,12 +335,20 @@ class EagerGradients:
         self.ever_adopted = True
 
     def session(self) -> _Session:
-        """The running ``backward()``'s session, created (its callback queued) on first use."""
+        """The running ``backward()``'s session, created (its callback queued) on first use. A
+        ``backward()`` that runs inside a node of a running one (a reentrant checkpoint's
+        recompute and backward) shares the enclosing one's session: its gradients are part of
+        that ``backward()``'s, and only its end is the same on every rank."""
         task = torch._C._current_graph_task_id()
-        if self.current is None or self.current.task != task:
-            self.current = _Session(self, task)  # a backward() that failed midway left its own
-            torch.autograd.Variable._execution_engine.queue_callback(self.current.finish)
-        return self.current
+        found = self.current
+        if found is not None and found.task != task and found.running():
+            return found
+        if found is None or found.task != task:
+            found = self.current = _Session(self, task)  # replaces a stale one
+            callback = found.finish
+            found.queued = weakref.ref(callback)
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
+        return found
 
     def begin(self) -> _Session:
         """The per-graph check, on every rank: this ``backward()``'s session reduces."""
@@ -313,7 +363,7 @@ class EagerGradients:
         found = self.session()
         found.collective = found.collective or opens
         before = None if param.grad is None else param.grad.detach().clone()
-        found.parts.append(_Part(param, fqn, eager, compiled, before))
+        found.add(_Part(param, fqn, eager, compiled, before))
 
     def reduce(self, flat: torch.Tensor) -> torch.Tensor:
         """DDP's reduction of a flat gradient buffer (a new tensor, in the buffer's dtype or the
