@@ -591,6 +591,29 @@ def test_captured_real_tensor_is_named(fake_pg):
         step(model, opt, torch.randn(2, 8))
 
 
+TOTAL = torch.zeros(())
+
+
+def test_a_write_into_a_captured_real_tensor_is_named(fake_pg):
+    """A running total kept in a global tensor: torch's functionalization assertion ("please
+    report a bug to PyTorch") before 2026-11-28; now named, with nothing changed."""
+    model, opt = make()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    @spmd_backend.compile()
+    def step(model, optim, batch):
+        loss = model(batch).sum()
+        loss.backward()
+        optim.step()
+        TOTAL.add_(loss.detach())
+
+    with pytest.raises(SpmdTraceError, match=r"wrote into a real tensor .*Register it as a "
+                                             r"buffer.*TOTAL\.add_"):
+        step(model, opt, torch.randn(2, 8))
+    assert TOTAL.item() == 0 and not opt.state
+    assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))
+
+
 def test_argument_whose_gradient_the_step_would_drop_is_refused(fake_pg):
     """Features computed outside the step by another module (or a leaf input that requires
     grad): eager backward would train that module (fill the input's ``.grad``); the compiled

@@ -133,6 +133,16 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             "pass it as an argument (another module's weights, such as an EMA copy, as a list: "
             f"list(ema.parameters())) or register it as a buffer{at}. ({msg[:300]})"
         )
+    if "mutating a non-functional tensor with a functional tensor" in msg:
+        # functionalization's own assertion, reached before the fake-tensor check above
+        return SpmdTraceError(
+            "the train step wrote into a real tensor that is neither a parameter, buffer, "
+            "optimizer state nor an argument of the call (a running total captured from an "
+            "enclosing scope, `TOTAL.add_(loss.detach())`?); the graph would never repeat that "
+            "write. Register it as a buffer of the model (written back after each call), or "
+            f"return the value from the step and accumulate it after the call{at}. "
+            f"({msg.splitlines()[0][:200]})"
+        )
     if type(e).__name__ in _DATA_DEPENDENT or "data-dependent" in msg or _tensor_as_number(e):
         frames = _frames(e)
         in_optim = [f for f in frames if f.filename.startswith(_TORCH_OPTIM_DIR)]
