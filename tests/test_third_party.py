@@ -39,7 +39,9 @@ def test_recurrent_layers_through_dynamo(rank_pool):
     """nn.LSTM/GRU: Dynamo breaks the graph at them unless ``allow_rnn`` (then the gradient
     audit refused the eager backward), and with oneDNN on they trace into ``mkldnn_rnn_layer``,
     whose backward failed at run time for want of a workspace; both doors trace them with
-    oneDNN off (the compile door failed the same way before)."""
+    oneDNN off (the compile door failed the same way before). The LSTM's dropout between its
+    layers: torch 2.13's decomposition drops it, so until 2026-11-28 this door trained without
+    it (dynamo/rnn_dropout.py)."""
     case = ParityCase("torch_recurrent", ADAMW, steps=4, reduce_op="avg",
                       dynamo_options={"inductor": False}, zero_grad_first=True)
     result = rank_pool.run(check_ddp_parity, case)[0]

@@ -10,7 +10,8 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
   ``torch.autograd.grad`` in the graph) and ``allow_rnn`` (``nn.LSTM``/``GRU`` are traced
   instead of breaking the graph), with oneDNN off while the frame is traced and compiled (the
   recurrent layers' oneDNN kernels fail their backward when traced, see
-  ``tracing.trace.compiling``);
+  ``tracing.trace.compiling``), and their decomposition applies the dropout between layers
+  (:mod:`.rnn_dropout`: torch 2.13's drops it);
 * makes the optimizer wrapper's ``graph_break()`` a no-op, inlines the ``disable()``-wrapped
   ``zero_grad`` and ``_init_group`` instead of skipping them, and traces ``_init_group`` rather
   than running it eagerly on the real (not yet updated) ``.grad``;
@@ -66,7 +67,7 @@ from typing import Any
 
 import torch
 
-from spmd_backend.dynamo import eager_guard, faults, frame, fresh_state, sharded_update
+from spmd_backend.dynamo import eager_guard, faults, frame, fresh_state, rnn_dropout, sharded_update
 from spmd_backend.dynamo.collective_grads import eager_collective_gradients
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing import causal_mask
@@ -407,7 +408,7 @@ def _patches() -> list[Patch]:
         _inline_disabled(traceable), _skipped_calls(traceable), _init_group_traced(),
         _fused_lr_as_tensor(), _logger_calls_traced(), _return_loss_detached(),
         _backward_of_upstream_loss(), _grad_scaler_scale_traced(),
-        *faults.fault_patches(),
+        *faults.fault_patches(), *filter(None, [rnn_dropout.patch()]),
     ]
 
 

@@ -200,12 +200,13 @@ def _seq2seq_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
 
 class _Recurrent(nn.Module):
     """torch's recurrent layers as a sequence classifier: an embedding with a padding index, a
-    two-layer LSTM and a bidirectional GRU over its outputs, a head on the last step."""
+    two-layer LSTM with dropout between its layers and a bidirectional GRU over its outputs, a
+    head on the last step."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, 16, padding_idx=0)
-        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True, dropout=0.2)
         self.gru = nn.GRU(32, 16, batch_first=True, bidirectional=True)
         self.head = nn.Linear(32, 4)
 
