@@ -93,5 +93,9 @@ _READS_HINT = (
     "skipped at random (LayerDrop: transformers' layerdrop, drawn on each rank). Data-parallel "
     "training needs every rank to take the same path: make the branch a tensor operation "
     "(torch.where, masking) or run every branch on every rank (LayerDrop: the same draw on "
-    "every rank, or layerdrop=0)."
+    "every rank, or layerdrop=0). The same parameter under two names (a module's, and the "
+    "optimizer's param_groups.g.params.i) means the ranks compiled different frames: code that "
+    "splits the step on some ranks only, such as a print or a logging call under "
+    "`if dist.get_rank() == 0:` before the forward, or an augmentation chosen per rank; move "
+    "it out of the compiled step or after optimizer.step()."
 )
