@@ -121,6 +121,7 @@ class PipelineConfig:
             sync_module_states=bool(options.pop("sync_module_states", True)),
             check_finite_grads=bool(options.pop("check_finite_grads", False)),
             check_consistency=bool(options.pop("check_consistency", True)),
+            consistency_timeout_s=options.pop("consistency_timeout_s", 300.0),
             gradient_compression=options.pop("gradient_compression", None),
             shard_optimizer=options.pop("shard_optimizer", False),
             reduce_scatter_grads=options.pop("reduce_scatter_grads", None),
@@ -158,7 +159,8 @@ class PipelineConfig:
 #: the keys ``torch.compile(..., backend="spmd", options=...)`` accepts
 OPTION_NAMES: tuple[str, ...] = (
     "reduce_op", "process_group", "broadcast_buffers", "sync_module_states", "check_finite_grads",
-    "check_consistency", "gradient_compression", "shard_optimizer", "reduce_scatter_grads", "bucket_size_mb", "passes", "skip_passes", "inductor",
+    "check_consistency", "consistency_timeout_s", "gradient_compression", "shard_optimizer",
+    "reduce_scatter_grads", "bucket_size_mb", "passes", "skip_passes", "inductor",
     "background_compile", "dump_graphs",
 )
 

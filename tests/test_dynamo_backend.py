@@ -795,3 +795,46 @@ def test_a_print_on_rank_zero_only_is_named_in_the_refusal(rank_pool):
     in the model. Training through it is left (the closing note of that day)."""
     for message in rank_pool.run(_rank_zero_print_job):
         assert "differs from rank" in message and "if dist.get_rank() == 0:" in message, message
+
+
+def _augment(x):
+    torch._dynamo.graph_break()
+    return x.flip(0)
+
+
+def _rank_zero_augment_step(model, opt, x):
+    if torch.distributed.get_rank() == 0:
+        x = _augment(x)  # frames rank 1 never compiles: the ranks number theirs differently
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _rank_zero_augment_job(rank: int, world: int) -> tuple[str, float]:
+    import time
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(_rank_zero_augment_step, backend="spmd",
+                         options={**FAST, "consistency_timeout_s": 3})
+    start = time.perf_counter()
+    try:
+        step(model, opt, torch.randn(4, 8))
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps it
+        return str(e), time.perf_counter() - start
+    return "trained", 0.0
+
+
+def test_consistency_timeout_is_an_option_of_the_dynamo_door(rank_pool):
+    """Ranks that compiled different frames wait out the consistency round; it was 300 s with
+    no way to shorten it in this door before 2026-11-28."""
+    for message, waited in rank_pool.run(_rank_zero_augment_job, timeout=120):
+        assert "within 3" in message or "differs from rank" in message, message
+        assert waited < 60, waited
+    from spmd_backend import SpmdUsageError
+    from spmd_backend.pipeline import PipelineConfig
+
+    with pytest.raises(SpmdUsageError, match="consistency_timeout_s=0"):
+        PipelineConfig.from_options({"consistency_timeout_s": 0}, "dynamo")

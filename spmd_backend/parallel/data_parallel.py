@@ -123,6 +123,12 @@ class DataParallel:
                 "check reads every full reduced gradient, which only the all_reduce path has; "
                 "leave reduce_scatter_grads=None"
             )
+        timeout = self.consistency_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise SpmdUsageError(
+                f"DataParallel(consistency_timeout_s={timeout!r}): expected a positive number "
+                "of seconds"
+            )
         if self.reduce_op not in _REDUCE_OPS:
             raise SpmdUsageError(
                 f"DataParallel(reduce_op={self.reduce_op!r}): expected one of {_REDUCE_OPS}"
