@@ -354,3 +354,30 @@ def test_a_lazy_module_not_yet_run_is_refused_naming_its_parameters(fake_pg):
     model(torch.randn(2, 8))  # torch's remedy, then a compiled step works
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     spmd_backend.compile()(plain_step)(model, opt, torch.randn(4, 8))
+
+
+class _Sharing(nn.Module):
+    """One buffer registered in two modules; the first rebinds it (eager unties them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.a.register_buffer("avg", torch.zeros(8))
+        self.b = nn.Module()
+        self.b.register_buffer("avg", self.a.avg)
+
+    def forward(self, x):
+        self.a.avg = 0.9 * self.a.avg + 0.1 * x.detach().mean(0)
+        return self.a(x - self.b.avg)
+
+
+def test_a_buffer_under_two_names_rebound_under_one_is_refused(fake_pg):
+    """Found in review (2026-11-28): the write-back reached both names, eager unties them."""
+    model = _Sharing()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdUsageError, match=r"buffer 'a\.avg' is registered under 2 names and "
+                                             r"is rebound by the step.*Nothing was changed"):
+        spmd_backend.compile()(plain_step)(model, opt, torch.randn(4, 8))
+    assert_untouched(before, model, opt)
+    assert model.a.avg is model.b.avg and not model.a.avg.any()

@@ -17,8 +17,8 @@ at the lifted buffer so that the rest of the trace sees one tensor.
 
 Refused before the graph exists, with :class:`~spmd_backend.errors.SpmdUsageError` naming the
 buffer: a rebinding to ``None`` or a deletion, to another dtype (a write-back would round it),
-and of a buffer that shares memory with another (a rebinding ends the sharing in eager, a
-write-back could not).
+and of a buffer that shares memory with another or is registered under several names (a
+rebinding ends the sharing in eager, a write-back could not).
 
 Requires: called inside ``stateless._reparametrize_module`` with the mapping the trace built.
 Guarantees: touches only the lifted buffers and the reparametrized modules' ``_buffers``.
@@ -68,8 +68,10 @@ def write_rebound_buffers(
             if not isinstance(now, torch.Tensor) or now.dtype != fb.dtype:
                 got = now.dtype if isinstance(now, torch.Tensor) else type(now).__name__
                 raise _refuse(name, f"is rebound by the step to a {got} value (it was {fb.dtype})")
-            if shares_memory[j]:
-                raise _refuse(name, "shares memory with another buffer and is rebound by the step")
+            if shares_memory[j] or len(names) > 1:  # a rebinding unties them in eager
+                shared = (f"is registered under {len(names)} names" if len(names) > 1
+                          else "shares memory with another buffer")
+                raise _refuse(name, f"{shared} and is rebound by the step")
             with torch.no_grad():
                 if now.shape != fb.shape:  # an out= op: a data write that may resize
                     torch.ops.aten.clone.out(now, out=fb)
