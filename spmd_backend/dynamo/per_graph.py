@@ -189,8 +189,17 @@ def _own_backward_node(out: Any, args: Sequence[Any], learned: list[type]) -> An
 @torch.compiler.disable  # autograd calls it from inside a compiled step's backward()
 def _check_before(schedule: BackwardSchedule, node_ref: weakref.ref, _grads: Any) -> None:
     node = node_ref()
-    if node is not None and not getattr(node, _COVERED, False):
+    if node is None:
+        return
+    if not getattr(node, _COVERED, False):
         schedule.check_from(node)
+        return
+    # a backward() again through a graph kept with retain_graph=True: the check of the first
+    # one covered these graphs on every rank, and every rank runs them again, so the eager
+    # regions' gradients of this backward() are reduced at its end too (before 2026-11-28 they
+    # were refused as computed outside the compiled step, found in review)
+    for registry in eager_grads.of_group(schedule.group):
+        registry.begin()
 
 
 @torch.compiler.disable

@@ -140,8 +140,9 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             "optimizer state nor an argument of the call (a running total captured from an "
             "enclosing scope, `TOTAL.add_(loss.detach())`?); the graph would never repeat that "
             "write. Register it as a buffer of the model (written back after each call), or "
-            f"return the value from the step and accumulate it after the call{at}. "
-            f"({msg.splitlines()[0][:200]})"
+            f"return the value from the step and accumulate it after the call{at}. (torch's "
+            "functionalization: mutating a non-functional tensor with a functional tensor is "
+            "not allowed)"
         )
     if type(e).__name__ in _DATA_DEPENDENT or "data-dependent" in msg or _tensor_as_number(e):
         frames = _frames(e)

@@ -143,7 +143,9 @@ def _bernoulli_in_memory_order(target: torch.Tensor, p: float) -> torch.Tensor |
     same generator state (the same numbers, placed differently): every ``nn.Transformer`` with
     dropout trained 0.012 off DDP after three SGD steps (hunt 32, 2026-11-28). Drawn here on the
     view that is contiguous, and put back in place. None where ``target`` is contiguous already
-    or not dense (the functional form then draws as eager does)."""
+    (the functional form draws as eager does) or not dense: a hand-written ``bernoulli_`` into a
+    strided slice still draws another mask than eager's (found in review; dropout's noise is
+    always dense)."""
     order = sorted(range(target.dim()), key=lambda d: -target.stride(d))
     if order == list(range(target.dim())):
         return None
