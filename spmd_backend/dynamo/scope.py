@@ -10,8 +10,7 @@ capture"). While Dynamo traces a frame *for the spmd backend*, :func:`whole_step
   ``torch.autograd.grad`` in the graph) and ``allow_rnn`` (``nn.LSTM``/``GRU`` are traced
   instead of breaking the graph), with oneDNN off while the frame is traced and compiled (the
   recurrent layers' oneDNN kernels fail their backward when traced, see
-  ``tracing.trace.compiling``), and their decomposition applies the dropout between layers
-  (:mod:`.rnn_dropout`: torch 2.13's drops it);
+  ``tracing.trace.compiling``), their inter-layer dropout kept (:mod:`.rnn_dropout`);
 * makes the optimizer wrapper's ``graph_break()`` a no-op, inlines the ``disable()``-wrapped
   ``zero_grad`` and ``_init_group`` instead of skipping them, and traces ``_init_group`` rather
   than running it eagerly on the real (not yet updated) ``.grad``;
