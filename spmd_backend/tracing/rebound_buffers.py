@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from spmd_backend.errors import SpmdUsageError
+from spmd_backend.tracing.buffer_views import View
 
 _MISSING = object()
 
@@ -49,11 +50,12 @@ def write_rebound_buffers(
     module: nn.Module,
     buffer_names: Sequence[tuple[str, ...]],
     lifted: Sequence[torch.Tensor],
-    shares_memory: Sequence[bool],
+    views: Sequence[View | None],
 ) -> list[str]:
     """Write each rebound buffer's new tensor into its lifted buffer; return the names written
-    (for the trace log). ``shares_memory[j]``: buffer ``j`` is a view of another buffer or has
-    one."""
+    (for the trace log). ``views[j]``: the buffer whose memory holds buffer ``j`` and the
+    offset there, or None (:func:`~spmd_backend.tracing.buffer_views.find_buffer_views`)."""
+    bases = {v[0] for v in views if v is not None}
     written: list[str] = []
     for j, (names, fb) in enumerate(zip(buffer_names, lifted)):
         for name in names:
@@ -68,7 +70,8 @@ def write_rebound_buffers(
             if not isinstance(now, torch.Tensor) or now.dtype != fb.dtype:
                 got = now.dtype if isinstance(now, torch.Tensor) else type(now).__name__
                 raise _refuse(name, f"is rebound by the step to a {got} value (it was {fb.dtype})")
-            if shares_memory[j] or len(names) > 1:  # a rebinding unties them in eager
+            # a rebinding unties a view, its base or a second name in eager
+            if views[j] is not None or j in bases or len(names) > 1:
                 shared = (f"is registered under {len(names)} names" if len(names) > 1
                           else "shares memory with another buffer")
                 raise _refuse(name, f"{shared} and is rebound by the step")

@@ -265,11 +265,8 @@ class StepFunction:
                         if view is None:
                             fb.copy_(BUFFER_SYNC(fb, names[0]))
                 out = self.fn(*args, **kwargs)
-                shared = [v is not None or any(w is not None and w[0] == j
-                                               for w in self.buffer_views)
-                          for j, v in enumerate(self.buffer_views)]
                 rebound = write_rebound_buffers(binding.module, binding.buffer_names,
-                                                lifted.buffers, shared)
+                                                lifted.buffers, self.buffer_views)
                 if rebound:
                     log.info("spmd_backend: the step rebinds buffer(s) %s; their new values "
                              "are written back after each run", ", ".join(rebound))
