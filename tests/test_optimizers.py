@@ -57,10 +57,10 @@ PARAMS = [
 
 
 def step(model, optim, x):
+    optim.zero_grad()
     loss = model(x).pow(2).mean()
     loss.backward()
     optim.step()
-    optim.zero_grad()
     return loss
 
 
@@ -81,6 +81,9 @@ def schedule(opt: torch.optim.Optimizer) -> None:
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
     out = {f"param {n}": p.detach() for n, p in model.named_parameters()}
+    # the gradients the step leaves: an optimizer must not write into them (until 2026-11-28
+    # single-tensor SGD's weight decay was added to .grad, as torch's differentiable path does)
+    out.update({f"grad {n}": p.grad for n, p in model.named_parameters() if p.grad is not None})
     for p, st in opt.state.items():
         out.update({f"state {names[id(p)]}.{k}": v for k, v in st.items()})
     return out
@@ -94,6 +97,8 @@ def test_optimizer_matches_eager_under_a_schedule(fake_pg, caplog, name, kw, ikw
     cls = getattr(torch.optim, name)
     opt, ref = cls(model.parameters(), **kw, **ikw), cls(twin.parameters(), **kw, **ikw)
     compiled = spmd_backend.compile()(step)
+    for p in [*model.parameters(), *twin.parameters()]:  # each call sees gradients: no retrace
+        p.grad = torch.zeros_like(p)
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
         for i in range(5):
             if i >= 2:  # step 1 bootstraps the state, step 2 traces the steady graph

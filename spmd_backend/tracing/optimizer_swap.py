@@ -49,6 +49,10 @@ _COMPARISONS = {
 }
 
 
+#: ``Tensor.addcmul_`` as a torch-function override sees it
+_ADDCMUL_INPLACE = frozenset({_T.addcmul_, torch.Tensor.addcmul_})
+
+
 class _LiftedUses(TorchFunctionMode):
     """Serve the uses of lifted tensors that torch's optimizer code makes as Python numbers.
 
@@ -105,6 +109,12 @@ class _LiftedUses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if func in _ADDCMUL_INPLACE and self._weight_decay_factor(args, kwargs):
+            # torch's "differentiable" weight decay, taken because lifted tensors require grad:
+            # `grad = grad.addcmul_(param.clone(), weight_decay)` would write the decay into the
+            # parameter's .grad, which eager's `grad.add(param, alpha=wd)` leaves as it was (the
+            # update itself, `param.addcmul_(grad, lr, value=-1)`, stays in place)
+            return torch.addcmul(*args, **kwargs)
         op = _COMPARISONS.get(func)
         if op is not None and len(args) == 2 and not kwargs:
             hit = self.values.get(id(args[0]))
@@ -113,6 +123,11 @@ class _LiftedUses(TorchFunctionMode):
                 self.report(hit[0])
                 return op(hit[1], 0)
         return func(*args, **kwargs)
+
+    def _weight_decay_factor(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        factors = list(args[1:3]) + [kwargs.get("tensor1"), kwargs.get("tensor2")]
+        hits = [self.values.get(id(f)) for f in factors if f is not None]
+        return any(hit is not None and hit[0][1] == "weight_decay" for hit in hits)
 
 
 def _same(a: Any, b: Any) -> bool:
