@@ -96,6 +96,10 @@ def is_all_reduce(node: fx.Node) -> bool:
     return _is_call(node, ALL_REDUCE_TARGETS)
 
 
+def is_reduce_scatter(node: fx.Node) -> bool:
+    return is_call_to(node, c10d.reduce_scatter_tensor.default)
+
+
 def is_all_gather(node: fx.Node) -> bool:
     return _is_call(node, ALL_GATHER_TARGETS)
 

@@ -114,11 +114,19 @@ class _UnionFind:
 
 
 def _reads_gradients(node: fx.Node) -> bool:
+    """A list op whose second argument holds reduced gradients, directly or through one-input
+    per-element ops (a sharded optimizer reads a clone of its rank's slice of them)."""
     if len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)):
         return False
     return any(
-        isinstance(g, fx.Node) and get_phase(g) is Phase.COMM for g in node.args[1]
+        isinstance(g, fx.Node) and Phase.COMM in (get_phase(g), _root_phase(g))
+        for g in node.args[1]
     ) or op_name(node).startswith("_fused_")
+
+
+def _root_phase(element: fx.Node) -> Phase | None:
+    root = _root(element)
+    return get_phase(root) if root is not None else None
 
 
 def get_optimizer_blocks(graph: fx.Graph) -> list[OptimizerBlock]:

@@ -5,7 +5,9 @@ form (prerequisite ``remove_copy_from_optimizer``), and waits already scheduled
 (``schedule_comm_wait`` must not run after this pass). Guarantees: the optimizer blocks that
 read the bucket's gradients are split so one part reads exactly them; that part, the bucket's
 collective (with its packing) and everything that exists only to feed them is moved to run in
-the next iteration just before ``target_dest_node``. Each target may be given as a node, a node
+the next iteration just before ``target_dest_node``, with every later reader of a computed
+tensor the moved update writes in place (sharded state: the all_gather of the updated slice,
+which writes the parameter; one that also carries another bucket's parameters is refused). Each target may be given as a node, a node
 name (the upstream API: ``"all_reduce_default_1"``, ``"relu"``) or a :class:`ModuleTarget`:
 ``ModuleTarget("layers.3")`` as the comm target is the bucket carrying a gradient of a parameter
 of ``layers.3``; as the destination it is the first node that reads one of its parameters (the
@@ -23,10 +25,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph import ops
+from spmd_backend.graph.aliasing import alias_root, readers, written
 from spmd_backend.graph.comm import get_comm_block, reduced_values
 from spmd_backend.graph.meta import Phase, bucket_params, get_fqn, get_input_kind, get_phase
 from spmd_backend.graph.ops import is_list_op
@@ -42,6 +46,7 @@ from spmd_backend.graph.utils import (
 from spmd_backend.pass_manager import declare_pass
 
 log = logging.getLogger(__name__)
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,8 @@ def resolve_comm(graph: fx.Graph, target: object) -> fx.Node:
     """The collective named by ``target`` (node, name or ModuleTarget)."""
     if isinstance(target, ModuleTarget):
         for node in graph.nodes:
-            if ops.is_all_reduce(node) and any(target.owns(p) for p in bucket_params(node)):
+            gradient_collective = ops.is_all_reduce(node) or ops.is_reduce_scatter(node)
+            if gradient_collective and any(target.owns(p) for p in bucket_params(node)):
                 return node
         raise SpmdPassError(
             f"iter_move_grads_and_optimizers: no gradient collective carries a parameter of "
@@ -103,7 +109,7 @@ def nodes_to_move(gm: object, comm: fx.Node) -> list[fx.Node]:
     """The bucket's collective and its (split-off) optimizer update, ready to move."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
     block = get_comm_block(comm)
-    grads = set(reduced_values(block))  # with reduce_op="avg": the scaled gradients
+    grads = _with_shards(reduced_values(block))  # with reduce_op="avg": the scaled gradients
     roots: list[fx.Node] = [*block.pre_nodes, comm]
     for ob in get_optimizer_blocks(graph):
         if not grads & set(ob.gradients):
@@ -119,6 +125,12 @@ def nodes_to_move(gm: object, comm: fx.Node) -> list[fx.Node]:
     # is left out (the move's safety check then names the conflict).
     while True:
         members = set(block)
+        readers_after = _readers_after_intermediate_writes(graph, block)
+        if readers_after:
+            block = add_exclusive_inputs(
+                graph, find_all_descendants(graph, [*block, *readers_after]), is_opt
+            )
+            continue
         written = {p for n in block for p in mutated_placeholders(n)}
         extra = []
         for n in graph.nodes:
@@ -136,6 +148,79 @@ def nodes_to_move(gm: object, comm: fx.Node) -> list[fx.Node]:
         block = add_exclusive_inputs(graph, [*block, *extra], is_opt)
 
 
+def _with_shards(values: list[fx.Node]) -> set[fx.Node]:
+    """``values`` and the copies and views made of each alone (the flat view, this rank's
+    slice and its clone that a sharded optimizer reads as the gradient)."""
+    out: set[fx.Node] = set()
+    queue = list(values)
+    while queue:
+        node = queue.pop()
+        if node in out:
+            continue
+        out.add(node)
+        queue.extend(u for u in node.users if node_inputs(u) == [node] and _moves_data(u))
+    return out
+
+
+def _moves_data(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        target.is_view or target in (aten.clone.default, aten._to_copy.default)
+    )
+
+
+def _readers_after_intermediate_writes(graph: fx.Graph, block: list[fx.Node]) -> list[fx.Node]:
+    """Ops outside ``block`` that read, after a block op wrote it in place, a tensor the graph
+    computes (not an input): they must move with the write. Sharded optimizer state updates a
+    clone of this rank's parameter slice in place and all_gathers that clone into the
+    parameter; moving the update without the all_gather gathered the slice before its update
+    and dropped the moved update (both ranks alike, silently, until 2026-11-28)."""
+    order = node_order(graph)
+    members = set(block)
+    out: dict[fx.Node, None] = {}
+    for node in block:
+        for target in written(node):
+            root = alias_root(target)
+            if root.op == "placeholder":
+                continue
+            for reader in readers(root):
+                if reader not in members and order[reader] > order[node]:
+                    out.setdefault(reader, None)
+    return list(out)
+
+
+def _refuse_shared_gathers(comm: fx.Node, nodes: list[fx.Node]) -> None:
+    """Sharded state: the moved all_gathers must carry only the moved bucket's parameters. One
+    bucketed with a parameter of another gradient bucket would take that parameter's update
+    along, before its gradient exists."""
+    if not any(ops.is_all_gather(n) for n in nodes):
+        return
+    own = set(bucket_params(comm))
+    gathered = {
+        _param_name(p) for n in nodes for p in mutated_placeholders(n)
+        if get_input_kind(p) == "param"
+    }
+    others = sorted(gathered - own)
+    if others:
+        raise SpmdPassError(
+            f"iter_move_grads_and_optimizers: with shard_optimizer, the all_gather of the "
+            f"updated parameters of {comm.name} ({', '.join(sorted(own))}) also carries "
+            f"{', '.join(others)}, whose gradients another collective reduces; move a bucket "
+            "whose parameter all_gathers carry only its own parameters (bucket sizes that "
+            "split the parameters alike, or no comm_fusion_with_concat)"
+        )
+
+
+def _param_name(placeholder: fx.Node) -> str:
+    """``layers.1.bias`` for the placeholder ``p_layers_1_bias`` of module ``layers.1``."""
+    owner = get_fqn(placeholder) or ""
+    prefix = "p_" + (owner.replace(".", "_") + "_" if owner else "")
+    if placeholder.name.startswith(prefix):
+        leaf = placeholder.name[len(prefix):]
+        return f"{owner}.{leaf}" if owner else leaf
+    return placeholder.name
+
+
 def iter_move_grads_and_optimizers(gm: object, target_comm_node: object, target_dest_node: object) -> None:
     """Move one bucket's all_reduce and optimizer update to the next iteration."""
     graph: fx.Graph = gm.graph  # type: ignore[attr-defined]
@@ -147,6 +232,7 @@ def iter_move_grads_and_optimizers(gm: object, target_comm_node: object, target_
     comm = resolve_comm(graph, target_comm_node)
     dest = resolve_dest(graph, target_dest_node)
     nodes = nodes_to_move(gm, comm)
+    _refuse_shared_gathers(comm, nodes)
     graph.move_to_next_iter_before(nodes, dest)  # type: ignore[attr-defined]
     log.info(
         "iter_move_grads_and_optimizers: %d node(s) of %s moved before %s",

@@ -58,14 +58,16 @@ def run_pair(
     last_train_step: bool = True,
     batch_sizes: Sequence[int] = (),
     reduce_op: str = "sum",
+    **mode_options: Any,
 ) -> tuple[Any, nn.Module, nn.Module]:
     """Train the same model with and without ``transformation``; return (compiled, a, b).
-    ``batch_sizes``: one per step (default 8 each)."""
+    ``batch_sizes``: one per step (default 8 each); ``mode_options``: more ``DataParallel``
+    options (``shard_optimizer=True``)."""
     torch.manual_seed(0)
     model = model_factory()
     ref = copy.deepcopy(model)
     opt, ref_opt = make_optim(model, optim_kind), make_optim(ref, optim_kind)
-    mode = spmd_backend.DataParallel(reduce_op=reduce_op)
+    mode = spmd_backend.DataParallel(reduce_op=reduce_op, **mode_options)
     compiled = spmd_backend.compile(gm_transformation=transformation, parallel_mode=mode)(step_fn)
     plain = spmd_backend.compile(parallel_mode=mode)(step_fn)
     gen = torch.Generator().manual_seed(1)

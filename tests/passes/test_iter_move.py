@@ -9,7 +9,7 @@ from helpers import Net, assert_same_training, run_pair
 
 from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph import ops
-from spmd_backend.graph.meta import bucket_params
+from spmd_backend.graph.meta import Phase, bucket_params, get_phase
 from spmd_backend.iter_graph_module import IterGraphModule
 from spmd_backend.pass_manager import PassManager
 from spmd_backend.passes import (
@@ -26,12 +26,17 @@ def wide():
     return Net(dims=(16, 512, 512, 512, 8))
 
 
-def mover(comm, dest, seen=None, commit_late=False):
+def mover(comm, dest, seen=None, commit_late=False, bucket=True):
     def transformation(gm):
         igm = IterGraphModule(gm)
-        PassManager(
-            [(comm_fusion_with_concat, {"bucket_size_mb": 0.9}), schedule_comm_wait, remove_copy_from_optimizer]
-        ).run(igm)
+        if bucket:
+            PassManager(
+                [(comm_fusion_with_concat, {"bucket_size_mb": 0.9}), schedule_comm_wait,
+                 remove_copy_from_optimizer]
+            ).run(igm)
+        else:  # the plain functions: the PassManager wants comm_fusion before the scheduling
+            schedule_comm_wait(igm)
+            remove_copy_from_optimizer(igm)
         if seen is not None:
             seen.extend(
                 (n.name, bucket_params(n)) for n in igm.graph.nodes if ops.is_all_reduce(n)
@@ -56,6 +61,34 @@ def test_move_by_module_fqn_matches_unmoved(fake_pg, optim_kind, commit_late):
     )
     assert_same_training(model, ref)
     assert any("layers.2.weight" in params for _, params in seen)
+
+
+@pytest.mark.parametrize("reduce_scatter", [False, True], ids=["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("optim_kind", ["adam_fused", "adam_foreach", "sgd_momentum"])
+def test_a_sharded_update_moves_with_its_all_gather(fake_pg, optim_kind, reduce_scatter):
+    """With sharded state the update writes a clone of this rank's slice in place and the
+    all_gather of that clone writes the parameter. Until 2026-11-28 the all_gather stayed
+    behind: it gathered the slice before its update, which was lost (silently, 0.02-0.24 off
+    DDP); a foreach or fused block was not split (its gradients are slices of the reduced
+    ones), so every parameter moved or the move was refused; and with reduce_scatter
+    ``ModuleTarget`` found no gradient collective."""
+    compiled, model, ref = run_pair(
+        mover(ModuleTarget("layers.2"), ModuleTarget("layers.2"), bucket=False),
+        optim_kind=optim_kind, model_factory=wide, steps=5,
+        shard_optimizer=True, reduce_scatter_grads=reduce_scatter,
+    )
+    assert_same_training(model, ref)
+    main = list(compiled.compiled.source_graphs()["main"].nodes)
+    backward = next(i for i, n in enumerate(main) if get_phase(n) is Phase.BACKWARD)
+    assert any(ops.is_all_gather(n) for n in main[:backward]), \
+        "the moved block's all_gather did not move with it"
+
+
+def test_a_sharded_all_gather_shared_with_another_bucket_is_refused_by_name(fake_pg):
+    with pytest.raises(SpmdPassError, match=r"all_gather .* also carries layers\.1\.bias, whose "
+                                            r"gradients another collective reduces"):
+        run_pair(mover(ModuleTarget("layers.2"), ModuleTarget("layers.2")),
+                 optim_kind="sgd_momentum", model_factory=wide, steps=3, shard_optimizer=True)
 
 
 def test_ddps_mean_moves_with_its_bucket(fake_pg):
