@@ -740,6 +740,42 @@ def test_dynamic_batch_dimension_avoids_retraces(fake_pg):
     assert step.cache_size() == 2
 
 
+class _PaddedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, h: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.att(h, h, h, key_padding_mask=pad)[0]
+
+
+def _padded_step(model, opt, h, pad):
+    model(h, pad).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_dynamic_batch_through_an_attention_padding_mask(fake_pg):
+    """The mask's baddbmm meta kernel needs the Python dispatcher with symbolic sizes; until
+    2026-11-28 the first call failed with torch's 'SymIntArrayRef expected to contain only
+    concrete integers' (hunt 35)."""
+    torch.manual_seed(0)
+    model = _PaddedAttention()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = spmd_backend.compile(dynamic_batch=True)(_padded_step)
+    for size in [3, 5, 4]:
+        h = torch.randn(size, 7, 16)
+        pad = torch.zeros(size, 7, dtype=torch.bool)
+        pad[:, -2:] = True
+        step(model, opt, h, pad)
+        _padded_step(ref, ref_opt, h, pad)
+    assert step.trace_count == 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 def test_mark_dynamic_on_one_argument(fake_pg):
     model = MLP(8, 16, 2, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

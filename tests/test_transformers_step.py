@@ -45,18 +45,52 @@ def test_returning_the_model_output(fake_pg, caplog):
     assert any("DynamicCache at output['past_key_values']" in r.getMessage() for r in caplog.records)
 
 
-def test_ragged_batch_with_a_model_that_specialises_the_batch_dim(fake_pg, caplog):
+def test_ragged_batches_share_one_symbolic_graph(fake_pg, caplog):
+    """GPT-2's causal-LM loss specialised the batch dim while symbolic sizes were traced
+    without the Python dispatcher (a graph per size, with a log line); it now keeps one graph."""
     model = gpt2()
     twin = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
     compiled = spmd_backend.compile(dynamic_batch=True)(lm_step)
     gen = torch.Generator().manual_seed(0)
+    for size in (4, 4, 3, 4, 3, 5):
+        ids = torch.randint(0, 96, (size, 16), generator=gen)
+        loss = compiled(model, opt, ids).loss
+        torch.testing.assert_close(loss, lm_step(twin, twin_opt, ids).loss)
+    assert compiled.cache_size() == 1 and compiled.trace_count == 2  # bootstrap + steady
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+class _FixedBatch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.lin(x).reshape(4, -1)  # fixes the batch dim at 4
+
+
+def _fixed_step(model, optim, x):
+    model(x).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def test_ragged_batch_with_a_model_that_specialises_the_batch_dim(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = _FixedBatch()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    compiled = spmd_backend.compile(dynamic_batch=True)(_fixed_step)
+    gen = torch.Generator().manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
-        for size in (4, 4, 3, 4, 3):  # the 3s must neither crash nor reuse the size-4 graph
-            ids = torch.randint(0, 96, (size, 16), generator=gen)
-            loss = compiled(model, opt, ids).loss
-            torch.testing.assert_close(loss, lm_step(twin, twin_opt, ids).loss)
+        for size in (4, 4, 8, 4, 8):  # the 8s must neither crash nor reuse the size-4 graph
+            x = torch.randn(size, 16, generator=gen)
+            compiled(model, opt, x)
+            _fixed_step(twin, twin_opt, x)
     messages = [r.getMessage() for r in caplog.records]
     assert any("dim 0 of args[2] was marked dynamic, but the step specialised it to 4 at" in m
                for m in messages), messages

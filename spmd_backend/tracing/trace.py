@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_backend.errors import SpmdTraceError, SpmdUsageError
@@ -140,7 +141,9 @@ def trace_train_step(
                     *[t.detach() for t in real_inputs]
                 )
             else:
-                with symbolic.fake_mode:
+                # make_fx's own symbolic mode runs under the Python dispatcher, whose meta
+                # kernels take symbolic sizes (an attention mask's baddbmm failed without it)
+                with symbolic.fake_mode, enable_python_dispatcher():
                     gm = make_fx(step, tracing_mode="real")(*symbolic.fake_inputs)
     except (SpmdUsageError, SpmdTraceError):
         raise
