@@ -35,6 +35,8 @@ BUCKET_PARAMS_KEY = "spmd_bucket_params"
 #: on a compressed gradient all_reduce: its :class:`~spmd_backend.graph.comm.Compression`
 COMPRESSION_KEY = "spmd_compression"
 INPUT_KIND_KEY = "spmd_input"
+#: on a parameter placeholder: the parameter's FQN (the node name is sanitized, maybe suffixed)
+PARAM_NAME_KEY = "spmd_param"
 
 
 class Phase(str, enum.Enum):
@@ -90,6 +92,11 @@ def bucket_params(node: fx.Node) -> list[str]:
 def owner_of(name: str) -> str:
     """The FQN of the module owning parameter/buffer ``name`` (``"a.b.weight"`` -> ``"a.b"``)."""
     return name.rpartition(".")[0]
+
+
+def param_name(node: fx.Node) -> str | None:
+    """The FQN of the parameter a placeholder holds (``layers.1.bias``), or None."""
+    return node.meta.get(PARAM_NAME_KEY)
 
 
 def get_input_kind(node: fx.Node) -> str | None:

@@ -32,7 +32,14 @@ from spmd_backend.errors import SpmdPassError
 from spmd_backend.graph import ops
 from spmd_backend.graph.aliasing import alias_root, readers, written
 from spmd_backend.graph.comm import get_comm_block, reduced_values
-from spmd_backend.graph.meta import Phase, bucket_params, get_fqn, get_input_kind, get_phase
+from spmd_backend.graph.meta import (
+    Phase,
+    bucket_params,
+    get_fqn,
+    get_input_kind,
+    get_phase,
+    param_name,
+)
 from spmd_backend.graph.ops import is_list_op
 from spmd_backend.graph.optim import get_optimizer_blocks
 from spmd_backend.graph.optim_surgery import split_optimizer_block
@@ -197,7 +204,7 @@ def _refuse_shared_gathers(comm: fx.Node, nodes: list[fx.Node]) -> None:
         return
     own = set(bucket_params(comm))
     gathered = {
-        _param_name(p) for n in nodes for p in mutated_placeholders(n)
+        param_name(p) or p.name for n in nodes for p in mutated_placeholders(n)
         if get_input_kind(p) == "param"
     }
     others = sorted(gathered - own)
@@ -209,16 +216,6 @@ def _refuse_shared_gathers(comm: fx.Node, nodes: list[fx.Node]) -> None:
             "whose parameter all_gathers carry only its own parameters (bucket sizes that "
             "split the parameters alike, or no comm_fusion_with_concat)"
         )
-
-
-def _param_name(placeholder: fx.Node) -> str:
-    """``layers.1.bias`` for the placeholder ``p_layers_1_bias`` of module ``layers.1``."""
-    owner = get_fqn(placeholder) or ""
-    prefix = "p_" + (owner.replace(".", "_") + "_" if owner else "")
-    if placeholder.name.startswith(prefix):
-        leaf = placeholder.name[len(prefix):]
-        return f"{owner}.{leaf}" if owner else leaf
-    return placeholder.name
 
 
 def iter_move_grads_and_optimizers(gm: object, target_comm_node: object, target_dest_node: object) -> None:

@@ -14,7 +14,15 @@ import torch.fx as fx
 
 from spmd_backend.errors import SpmdTraceError
 from spmd_backend.graph import ops
-from spmd_backend.graph.meta import INPUT_KIND_KEY, Phase, annotate, annotated, get_phase, owner_of
+from spmd_backend.graph.meta import (
+    INPUT_KIND_KEY,
+    PARAM_NAME_KEY,
+    Phase,
+    annotate,
+    annotated,
+    get_phase,
+    owner_of,
+)
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.layout import StepLayout
 
@@ -87,6 +95,8 @@ def finish_graph(gm: fx.GraphModule, binding: StepBinding, layout: StepLayout) -
         node._rename(label)
         annotate(node, fqn=fqn, phase=Phase.INPUT)
         node.meta[INPUT_KIND_KEY] = kind
+    for node, names in zip(placeholders, binding.param_names):
+        node.meta[PARAM_NAME_KEY] = names[0]
 
     # epilogue copies (and anything else made outside the dispatch mode) inherit a phase
     for node in graph.nodes:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
+import torch.nn as nn
 from helpers import Net, assert_same_training, run_pair
 
 from spmd_backend.errors import SpmdPassError
@@ -82,6 +84,25 @@ def test_a_sharded_update_moves_with_its_all_gather(fake_pg, optim_kind, reduce_
     backward = next(i for i, n in enumerate(main) if get_phase(n) is Phase.BACKWARD)
     assert any(ops.is_all_gather(n) for n in main[:backward]), \
         "the moved block's all_gather did not move with it"
+
+
+class _Dashed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({"in-proj": nn.Linear(16, 32), "out-proj": nn.Linear(32, 8)})
+
+    def forward(self, x):
+        return self.blocks["out-proj"](torch.tanh(self.blocks["in-proj"](x)))
+
+
+def test_a_sharded_move_names_parameters_by_fqn_not_by_placeholder(fake_pg):
+    """A module key the placeholder name cannot spell (``out-proj``) was taken for another
+    bucket's parameter in review, and the move refused."""
+    compiled, model, ref = run_pair(
+        mover(ModuleTarget("blocks.out-proj"), ModuleTarget("blocks.out-proj"), bucket=False),
+        optim_kind="sgd_momentum", model_factory=_Dashed, steps=4, shard_optimizer=True,
+    )
+    assert_same_training(model, ref)
 
 
 def test_a_sharded_all_gather_shared_with_another_bucket_is_refused_by_name(fake_pg):
