@@ -270,6 +270,37 @@ def test_an_op_whose_output_shape_depends_on_values_is_named_as_such(fake_pg):
     assert_untouched(before, model, opt)
 
 
+class _Cayley(nn.Module):
+    """An orthogonal map from a skew matrix by ``linalg.solve`` (peft's BOFT/OFT adapters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r = nn.Parameter(torch.randn(8, 8) * 0.1)
+
+    def forward(self, x):
+        skew = 0.5 * (self.r - self.r.t())
+        eye = torch.eye(8)
+        return x @ torch.linalg.solve(eye + skew, eye - skew)
+
+
+def test_an_op_torch_orders_by_an_effect_token_is_named(fake_pg):
+    """The backward of linalg.solve checks its matrix through an effectful op; the trace failed
+    with an internal placeholder count until 2026-11-28 (hunt 36)."""
+    model = _Cayley()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdTraceError, match=r"cannot trace aten\._linalg_check_errors\.default: "
+                                             r".*effect token.*backend=\"spmd\""):
+        spmd_backend.compile()(_cayley_step)(model, opt, torch.randn(4, 8))
+    assert_untouched(before, model, opt)
+
+
+def _cayley_step(model, opt, x):
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 class _Policy(nn.Module):
     """A policy-gradient head: a categorical distribution over actions, sampled in the step."""
 
