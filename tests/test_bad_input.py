@@ -270,6 +270,23 @@ def test_an_op_whose_output_shape_depends_on_values_is_named_as_such(fake_pg):
     assert_untouched(before, model, opt)
 
 
+def test_a_gradient_left_from_before_a_resize_is_named(fake_pg):
+    """transformers' resize_token_embeddings resizes the Parameter in place and keeps its old
+    .grad; the trace failed with torch's gradient-assignment error until 2026-11-28."""
+    model = nn.Linear(4, 3)
+    model(torch.randn(2, 4)).sum().backward()
+    model.weight.data = torch.randn(5, 4)
+    model.bias.data = torch.randn(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    with pytest.raises(SpmdUsageError, match=r"gradient of weight \(parameter \[5, 4\], \.grad "
+                                             r"\[3, 4\]\), bias .*model\.zero_grad\(set_to_none=True\)"):
+        spmd_backend.compile()(_cayley_step)(model, opt, torch.randn(2, 4))
+    assert_untouched(before, model, opt)
+    model.zero_grad(set_to_none=True)
+    spmd_backend.compile()(_cayley_step)(model, opt, torch.randn(2, 4))
+
+
 class _Cayley(nn.Module):
     """An orthogonal map from a skew matrix by ``linalg.solve`` (peft's BOFT/OFT adapters)."""
 

@@ -117,6 +117,7 @@ class StepBinding:
         params, param_names = _unique_named(_members(unique, "_parameters"))
         buffers, buffer_names = _unique_named(_members(unique, "_buffers"))
         _check_initialized(params + buffers, param_names + buffer_names)
+        _check_grad_shapes(params, param_names)
         _check_state(module, optimizer, params)
         tracked = frozenset(
             j for j, (leaf, path) in enumerate(zip(flat, paths))
@@ -399,6 +400,24 @@ def _check_initialized(tensors: list[torch.Tensor], names: list[tuple[str, ...]]
             "torch.nn.LazyLinear and friends, sizes them in its first forward). Run one "
             "forward on a batch before compiling and before creating the optimizer, as torch "
             "recommends for lazy modules"
+        )
+
+
+def _check_grad_shapes(params: list[nn.Parameter], names: list[tuple[str, ...]]) -> None:
+    """A parameter resized in place (transformers' ``resize_token_embeddings``) keeps its old
+    ``.grad``; eager never reads it when the step zeroes first, the trace lifts it as an input
+    (until 2026-11-28 torch's 'attempting to assign a gradient of size' error; hunt 36)."""
+    stale = [
+        f"{n[0]} (parameter {list(p.shape)}, .grad {list(p.grad.shape)})"
+        for p, n in zip(params, names)
+        if p.grad is not None and p.grad.shape != p.shape
+    ]
+    if stale:
+        raise SpmdUsageError(
+            f"spmd_backend.compile: the gradient of {', '.join(stale)} has another shape than "
+            "its parameter (resized in place, as resize_token_embeddings does). Set the "
+            "gradients to None after resizing (model.zero_grad(set_to_none=True)); nothing was "
+            "changed"
         )
 
 
