@@ -11,6 +11,7 @@ import torch.nn as nn
 import spmd_backend
 from spmd_backend import SpmdDistributedError, SpmdTraceError, SpmdUsageError
 from spmd_backend.testing.models import MLP
+from spmd_backend.testing.steps import train_step
 
 
 def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
@@ -281,10 +282,10 @@ def test_a_gradient_left_from_before_a_resize_is_named(fake_pg):
     before = snapshot(model, opt)
     with pytest.raises(SpmdUsageError, match=r"gradient of weight \(parameter \[5, 4\], \.grad "
                                              r"\[3, 4\]\), bias .*model\.zero_grad\(set_to_none=True\)"):
-        spmd_backend.compile()(_cayley_step)(model, opt, torch.randn(2, 4))
+        spmd_backend.compile()(train_step)(model, opt, torch.randn(2, 4))
     assert_untouched(before, model, opt)
     model.zero_grad(set_to_none=True)
-    spmd_backend.compile()(_cayley_step)(model, opt, torch.randn(2, 4))
+    spmd_backend.compile()(train_step)(model, opt, torch.randn(2, 4))
 
 
 class _Cayley(nn.Module):
@@ -308,14 +309,8 @@ def test_an_op_torch_orders_by_an_effect_token_is_named(fake_pg):
     before = snapshot(model, opt)
     with pytest.raises(SpmdTraceError, match=r"cannot trace aten\._linalg_check_errors\.default: "
                                              r".*effect token.*backend=\"spmd\""):
-        spmd_backend.compile()(_cayley_step)(model, opt, torch.randn(4, 8))
+        spmd_backend.compile()(train_step)(model, opt, torch.randn(4, 8))
     assert_untouched(before, model, opt)
-
-
-def _cayley_step(model, opt, x):
-    model(x).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
 
 
 class _Policy(nn.Module):

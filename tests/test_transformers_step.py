@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import spmd_backend
+from spmd_backend.testing.steps import train_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,25 +73,19 @@ class _FixedBatch(torch.nn.Module):
         return self.lin(x).reshape(4, -1)  # fixes the batch dim at 4
 
 
-def _fixed_step(model, optim, x):
-    model(x).pow(2).mean().backward()
-    optim.step()
-    optim.zero_grad()
-
-
 def test_ragged_batch_with_a_model_that_specialises_the_batch_dim(fake_pg, caplog):
     torch.manual_seed(0)
     model = _FixedBatch()
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
-    compiled = spmd_backend.compile(dynamic_batch=True)(_fixed_step)
+    compiled = spmd_backend.compile(dynamic_batch=True)(train_step)
     gen = torch.Generator().manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
         for size in (4, 4, 8, 4, 8):  # the 8s must neither crash nor reuse the size-4 graph
             x = torch.randn(size, 16, generator=gen)
             compiled(model, opt, x)
-            _fixed_step(twin, twin_opt, x)
+            train_step(twin, twin_opt, x)
     messages = [r.getMessage() for r in caplog.records]
     assert any("dim 0 of args[2] was marked dynamic, but the step specialised it to 4 at" in m
                for m in messages), messages

@@ -7,7 +7,8 @@ read the bucket's gradients are split so one part reads exactly them; that part,
 collective (with its packing) and everything that exists only to feed them is moved to run in
 the next iteration just before ``target_dest_node``, with every later reader of a computed
 tensor the moved update writes in place (sharded state: the all_gather of the updated slice,
-which writes the parameter; one that also carries another bucket's parameters is refused). Each target may be given as a node, a node
+which writes the parameter; one that also carries another bucket's parameters is refused).
+Each target may be given as a node, a node
 name (the upstream API: ``"all_reduce_default_1"``, ``"relu"``) or a :class:`ModuleTarget`:
 ``ModuleTarget("layers.3")`` as the comm target is the bucket carrying a gradient of a parameter
 of ``layers.3``; as the destination it is the first node that reads one of its parameters (the
@@ -138,16 +139,16 @@ def nodes_to_move(gm: object, comm: fx.Node) -> list[fx.Node]:
                 graph, find_all_descendants(graph, [*block, *readers_after]), is_opt
             )
             continue
-        written = {p for n in block for p in mutated_placeholders(n)}
+        written_inputs = {p for n in block for p in mutated_placeholders(n)}
         extra = []
         for n in graph.nodes:
             if n in members or not is_opt(n):
                 continue
             writes = set(mutated_placeholders(n))
             reads = {p for p in node_inputs(n) if p.op == "placeholder"}
-            if not (writes | reads) & written:
+            if not (writes | reads) & written_inputs:
                 continue
-            if is_list_op(n) and not writes <= written:
+            if is_list_op(n) and not writes <= written_inputs:
                 continue
             extra.append(n)
         if not extra:
