@@ -131,7 +131,9 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             "the train step used a real tensor that is neither a parameter, buffer, optimizer "
             "state nor an argument of the call (a tensor captured from an enclosing scope?); "
             "pass it as an argument (another module's weights, such as an EMA copy, as a list: "
-            f"list(ema.parameters())) or register it as a buffer{at}. ({msg[:300]})"
+            f"list(ema.parameters())) or register it as a buffer{at}; one a library keeps "
+            "(peft's prompt tokens) is taken as a graph input by "
+            f'torch.compile(step, backend="spmd"). ({msg[:300]})'
         )
     if "mutating a non-functional tensor with a functional tensor" in msg:
         # functionalization's own assertion, reached before the fake-tensor check above
