@@ -6,7 +6,7 @@ with ``create_graph=True``. DDP reduces only what ``backward()`` accumulates int
 the penalty uses each rank's own gradient. Through ``backend="spmd"`` both forms failed in the
 backend before (the input form: the single-tensor ``inputs`` argument; the parameter form: its
 gradients were taken for ``.grad`` and wrapped in a marker without a derivative); both now match
-DDP in both doors. A sparse gradient (``nn.Embedding(sparse=True)``) is refused naming the
+DDP in both doors, with the optimizer zeroed first or last. A sparse gradient (``nn.Embedding(sparse=True)``) is refused naming the
 parameter, in both doors (it failed inside torch before).
 """
 
@@ -44,11 +44,48 @@ def parameter_penalty_step(model, opt, x):
     return loss.detach()
 
 
+def parameter_penalty_zero_first_step(model, opt, x):
+    """Zeroing first: from the second call on every parameter holds a ``.grad`` as it starts."""
+    opt.zero_grad(set_to_none=False)
+    out = model(x).pow(2).mean()
+    grads = torch.autograd.grad(out, list(model.parameters()), create_graph=True)
+    loss = out + 0.1 * sum(g.pow(2).sum() for g in grads)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def adaptive_weight_step(model, opt, x):
+    """VQGAN's adaptive loss weight: the ratio of two gradients of the last layer's weight."""
+    opt.zero_grad()
+    out = model(x)
+    rec, adv = out.pow(2).mean(), -out.mean()
+    last = getattr(model, "module", model)[-1].weight  # DDP wraps the reference
+    (g_rec,) = torch.autograd.grad(rec, last, retain_graph=True)
+    (g_adv,) = torch.autograd.grad(adv, last, retain_graph=True)
+    weight = (g_rec.norm() / (g_adv.norm() + 1e-4)).detach()
+    (rec + weight * adv).backward()
+    opt.step()
+    return weight
+
+
+STEPS = {
+    "input": input_penalty_step,
+    "parameters": parameter_penalty_step,
+    # until 2026-11-29 the compile door marked a parameter that already held a .grad with a
+    # tensor hook, which also ran for torch.autograd.grad: from the second call the adaptive
+    # weight was computed from reduced gradients (silently off DDP) and the penalty's
+    # double backward failed on the marker
+    "parameters_zero_first": parameter_penalty_zero_first_step,
+    "adaptive_weight": adaptive_weight_step,
+}
+
+
 def _job(rank: int, world: int, door: str) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     diffs = {}
-    for name, step in (("input", input_penalty_step), ("parameters", parameter_penalty_step)):
+    for name, step in STEPS.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -56,12 +93,13 @@ def _job(rank: int, world: int, door: str) -> dict[str, float]:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         compiled = compiled_by(door, step, reduce_op="avg")
+        outs = []
         for i in range(3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + rank))
-            compiled(model, opt, x)
-            step(ddp, ref_opt, x)
+            outs.append(float(compiled(model, opt, x)) - float(step(ddp, ref_opt, x)))
         diffs[name] = max(float((p - q).abs().max())
                           for p, q in zip(model.parameters(), ddp.module.parameters()))
+        diffs[name + "_returned"] = max(abs(d) for d in outs)
     return diffs
 
 

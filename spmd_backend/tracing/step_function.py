@@ -303,12 +303,19 @@ class StepFunction:
                 continue
             handles.extend(_user_tensor_hooks(self.binding.params[i], fp))
             if i in has_grad:
-                def contribution(grad: torch.Tensor, _name: str = names[0]) -> torch.Tensor:
+                def contribution(grads: tuple[torch.Tensor, ...], _name: str = names[0]
+                                 ) -> tuple[torch.Tensor, ...]:
                     self.saw_backward = True
-                    check_dense_gradient(grad, _name)
-                    return GRAD_CONTRIBUTION(grad, _name)
+                    check_dense_gradient(grads[0], _name)
+                    return (GRAD_CONTRIBUTION(grads[0], _name),)
 
-                handles.append(fp.register_hook(contribution))
+                # A pre-hook of the parameter's AccumulateGrad node, not a tensor hook: it runs
+                # only when a backward accumulates into .grad. A tensor hook also runs for
+                # torch.autograd.grad(loss, param), whose result is this rank's own gradient
+                # (a gradient penalty, an adaptive loss weight): marked, it came back reduced.
+                # The node is kept alive here; the parameter holds it only weakly.
+                accumulator = torch.autograd.graph.get_gradient_edge(fp).node
+                handles.append(_KeepAlive(accumulator.register_prehook(contribution), accumulator))
             else:
                 def ready(param: torch.Tensor, _name: str = names[0]) -> None:
                     self.saw_backward = True
@@ -437,6 +444,17 @@ class StepFunction:
 def _is_grad_leaf(t: torch.Tensor) -> bool:
     """A tensor argument the step may differentiate with respect to, as eager would."""
     return t.requires_grad and t.is_floating_point()
+
+
+@dataclass
+class _KeepAlive:
+    """A hook handle that also holds the autograd node it was registered on."""
+
+    handle: Any
+    node: Any
+
+    def remove(self) -> None:
+        self.handle.remove()
 
 
 def _user_tensor_hooks(param: torch.Tensor, fp: torch.Tensor) -> list[Any]:
