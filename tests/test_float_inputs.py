@@ -230,29 +230,36 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_per_call_schedule_compiles_twice_and_matches_eager(fake_pg, case):
+def _scheduled_run(case: str, options: dict, calls: int) -> tuple[nn.Module, nn.Module]:
+    """``calls`` steps of CASES[case] through ``backend="spmd"`` and eagerly, the schedule
+    stepped after each; Dynamo's recompile limit at 4 (a graph per value: refused at the 5th).
+    Returns the compiled model and its eager twin."""
     from torch._dynamo.utils import counters
 
-    build, schedule, atol = CASES[case]
+    build, schedule, _ = CASES[case]
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     twin = copy.deepcopy(model)
     (opt, sched), (ref_opt, ref_sched) = build(model, schedule=schedule), build(twin, schedule=schedule)
-    compiled = torch.compile(train_step, backend="spmd",
-                             options={"inductor": False, "reduce_op": "sum"})
-    with torch._dynamo.config.patch(recompile_limit=4):  # each value a graph: refused at the 5th
-        for i in range(7):
+    compiled = torch.compile(train_step, backend="spmd", options={"reduce_op": "sum", **options})
+    with torch._dynamo.config.patch(recompile_limit=4):
+        for i in range(calls):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
             compiled(model, opt, x)
             train_step(twin, ref_opt, x)
             sched.step()
             ref_sched.step()
     assert counters["spmd"]["whole_step_graphs"] == 2, dict(counters["spmd"])
+    return model, twin
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_per_call_schedule_compiles_twice_and_matches_eager(fake_pg, case):
+    model, twin = _scheduled_run(case, {"inductor": False}, calls=7)
     for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=atol)
+        torch.testing.assert_close(p, q, rtol=0, atol=CASES[case][2])
 
 
 def test_a_bfloat16_adam_under_one_cycle_uses_each_calls_betas(fake_pg, monkeypatch, tmp_path):
@@ -278,3 +285,22 @@ def test_a_bfloat16_adam_under_one_cycle_uses_each_calls_betas(fake_pg, monkeypa
                 s.step()
     for p, q in zip(model.parameters(), twin.parameters()):  # bf16 Adam: an ulp or two apart
         torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=8e-3)
+
+
+@pytest.mark.parametrize("case", ["sgd-single-cosine", "adam-single-onecycle"])
+def test_inductor_compiles_a_per_call_schedule_in_this_process(fake_pg, caplog, case):
+    """Compiled in this process (``background_compile=False``), the graph came with Dynamo's
+    fake tensors, whose shape environment still held the lr's float symbol: compile_fx's
+    tensorify pass asked for a Dynamo restart it could not get, and until 2026-11-29 every
+    single-tensor optimizer under a scheduler ran as an fx graph, with only a warning
+    (lowering/inductor.py ``_settled_float_symbols``)."""
+    import logging
+
+    # AOTAutograd's cache would skip the tensorify pass on a warm cache
+    with caplog.at_level(logging.INFO, logger="spmd_backend"), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        model, twin = _scheduled_run(case, {"background_compile": False}, calls=6)
+    assert "could not compile" not in caplog.text
+    assert caplog.text.count("Inductor compiled") == 2, caplog.text
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)

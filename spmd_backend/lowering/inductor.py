@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -177,11 +178,63 @@ def compile_flat(flat_gm: fx.GraphModule, spec: Any, source: fx.GraphModule,
 
     stable_cache_keys()  # the same keys as a background worker's
     t0 = time.perf_counter()
-    with step_graph_config(flat_gm.graph):
+    with step_graph_config(flat_gm.graph), _settled_float_symbols(flat_gm, inputs):
         compiled = compile_fx(flat_gm, inputs)
     seconds = time.perf_counter() - t0
     log.info("Inductor compiled a %d-node graph in %.1fs", len(source.graph.nodes), seconds)
     return InductorModule(compiled, spec, source, seconds)
+
+
+def _float_symbols(value: Any) -> set[Any]:
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    exprs = []
+    if isinstance(value, (torch.SymFloat, torch.SymInt, torch.SymBool)):
+        exprs.append(value.node.expr)
+    elif isinstance(value, torch.Tensor):
+        exprs.extend(d.node.expr for d in (*value.shape, *value.stride())
+                     if isinstance(d, torch.SymInt))
+    return {s for e in exprs for s in getattr(e, "free_symbols", ())
+            if symbol_is_type(s, SymT.FLOAT)}
+
+
+@contextlib.contextmanager
+def _settled_float_symbols(flat_gm: fx.GraphModule, inputs: list[Any]) -> Iterator[None]:
+    """Within: the float symbols of the inputs' shape environment that no node of ``flat_gm``
+    refers to count as settled for AOTAutograd's tensorify pass.
+
+    A Dynamo-door graph comes with Dynamo's fake tensors, whose shape environment still holds
+    the symbols of the float inputs Dynamo made dynamic (a scheduler's lr). The first
+    AOTAutograd run already turned them into tensor compute (:mod:`spmd_backend.dynamo.float_inputs`),
+    so no node of the step graph refers to them; compile_fx's own tensorify pass found them
+    neither tensorified nor specialized and asked Dynamo to restart, which cannot happen here:
+    the compile failed and the step ran as an fx graph (single-tensor optimizers under a
+    scheduler, compiled in this process). A symbol a node still refers to is left alone, so
+    tensorify never bakes a value the graph takes as an input. A background worker compiles on
+    fresh fake tensors and never sees these symbols.
+    """
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode(inputs)
+    shape_env = getattr(fake_mode, "shape_env", None)
+    added: list[str] = []
+    if shape_env is not None:
+        from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+        referenced: set[Any] = set()
+        for node in flat_gm.graph.nodes:
+            referenced |= _float_symbols(node.meta.get("val"))
+        for symbol in list(shape_env.backed_var_to_val):
+            if (symbol_is_type(symbol, SymT.FLOAT) and symbol not in referenced
+                    and not TensorifyState.should_specialize(str(symbol))):
+                TensorifyState.specialize(str(symbol))
+                added.append(str(symbol))
+    try:
+        yield
+    finally:
+        for name in added:
+            TensorifyState.force_specializations.discard(name)
 
 
 class CacheMiss(SpmdError):
