@@ -131,6 +131,69 @@ def test_models_ddp_handles(rank_pool, model):
     assert result.dynamo["whole_step_graphs"] == 2
 
 
+def _self_distillation_step(model, optim, x, y):
+    """A target from the same model in eval mode, then the training forward: DDP broadcasts
+    rank 0's buffers before the first forward, so both read rank 0's statistics."""
+    import torch.nn.functional as F
+
+    optim.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        target = model(x).softmax(-1)
+    model.train()
+    logits = model(x)
+    loss = F.cross_entropy(logits, y) + F.kl_div(logits.log_softmax(-1), target,
+                                                 reduction="batchmean")
+    loss.backward()
+    optim.step()
+    return loss.detach()
+
+
+def _train_call_step(model, optim, x, y):
+    import torch.nn.functional as F
+
+    optim.zero_grad()
+    model.train()  # as most loops write it
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optim.step()
+    return loss.detach()
+
+
+def _mode_switch_job(rank: int, world: int) -> dict[str, float]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    worst = {}
+    for step in (_self_distillation_step, _train_call_step):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        ddp = DDP(copy.deepcopy(model))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        compiled = torch.compile(step, backend="spmd", options=FAST)
+        g = torch.Generator().manual_seed(rank)
+        diffs = []
+        for _ in range(4):  # each rank's batches have their own statistics
+            x = torch.randn(8, 8, generator=g) * (1 + 3 * rank) + rank
+            y = torch.randint(0, 3, (8,), generator=g)
+            diffs.append(abs(float(compiled(model, opt, x, y)) - float(step(ddp, ref_opt, x, y))))
+        diffs += [float((a - b).abs().max()) for a, b in
+                  zip(model.state_dict().values(), ddp.module.state_dict().values())]
+        worst[step.__name__] = max(diffs)
+    return worst
+
+
+def test_a_mode_switch_inside_the_step_keeps_the_buffer_broadcast(rank_pool):
+    """``model.train()``/``model.eval()`` inside the step makes Dynamo reach module state through
+    ``__dict__`` (``model.__dict__['_modules']['1'].__dict__['_buffers']['running_mean']``).
+    Until 2026-11-29 such buffers were taken for plain arguments and never broadcast: rank 1
+    kept its own BatchNorm statistics (0.275 off DDP), and an eval-mode pass inside the step
+    read them (parameters 1e-2 off DDP after four steps), silently."""
+    for worst in rank_pool.run(_mode_switch_job):
+        assert max(worst.values()) < 1e-6, worst
+
+
 def test_param_groups_tensor_lr_schedule_and_ragged_batch(rank_pool):
     rank_pool.run(_tensor_lr_job)
 

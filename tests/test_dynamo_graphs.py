@@ -52,3 +52,28 @@ def test_copy_changing_the_layout_is_kept():
     (copy,) = [n for n in g.nodes if n.target is aten.copy.default]
     copy.meta["val"] = torch.empty(3, 4).t()  # other strides: not the marker's tensor
     assert fold_gradient_copies(g) == 0 and _copies(g) == 1
+
+
+def test_module_state_reached_through_dict_is_named_and_classified():
+    """After ``model.train()`` in a step Dynamo reaches state through ``__dict__``; the FQN and
+    the kind come out as for the attribute spelling."""
+    from torch._dynamo.source import AttrSource, DictGetItemSource, LocalSource
+
+    from spmd_backend.dynamo.graphs import _kind, source_fqn
+
+    def via_dict(base, key):
+        return DictGetItemSource(AttrSource(base, "__dict__"), key)
+
+    root = LocalSource("model")
+    block = DictGetItemSource(via_dict(root, "_modules"), "1")
+    by_dict = DictGetItemSource(via_dict(block, "_buffers"), "running_mean")
+    by_attr = DictGetItemSource(AttrSource(DictGetItemSource(AttrSource(root, "_modules"), "1"),
+                                           "_buffers"), "running_mean")
+    for source in (by_dict, by_attr):
+        assert source_fqn(source) == "1.running_mean"
+        assert _kind(torch.zeros(3), source) == "buffer"
+    weight = DictGetItemSource(via_dict(block, "_parameters"), "weight")
+    assert source_fqn(weight) == "1.weight"
+    # an attribute of the user's own named like an item is still part of the name
+    assert source_fqn(DictGetItemSource(via_dict(root, "stats"), "mean")) == "stats.mean"
+    assert _kind(torch.zeros(3), DictGetItemSource(via_dict(root, "stats"), "mean")) == "arg"

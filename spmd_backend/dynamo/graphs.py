@@ -78,16 +78,41 @@ def _chain(source: Any) -> list[Any]:
 _INTERNAL_ATTRS = frozenset({"_modules", "_parameters", "_buffers"})
 
 
+def _through_dict(src: Any) -> bool:
+    """``src`` reads an item of an object's ``__dict__``: once a step calls ``model.train()``
+    or ``model.eval()``, Dynamo reaches module state as
+    ``model.__dict__['_modules']['1'].__dict__['_buffers']['running_mean']``."""
+    from torch._dynamo.source import AttrSource, DictGetItemSource
+
+    base = getattr(src, "base", None)
+    return (isinstance(src, DictGetItemSource) and isinstance(base, AttrSource)
+            and base.member == "__dict__")
+
+
+def _module_internal(src: Any, name: str) -> bool:
+    """``src`` reads the attribute ``name`` (a module's ``_buffers``, an optimizer's
+    ``param_groups``), in either spelling."""
+    from torch._dynamo.source import AttrSource
+
+    if isinstance(src, AttrSource):
+        return src.member == name
+    return _through_dict(src) and src.index == name
+
+
 def source_fqn(source: Any) -> str:
-    """``model._modules['fc1']._parameters['weight']`` -> ``fc1.weight``, from Source objects
-    (the local variable at the root is not part of the FQN)."""
+    """``model._modules['fc1']._parameters['weight']`` (or, after ``model.train()`` in the step,
+    ``model.__dict__['_modules']['fc1'].__dict__['_parameters']['weight']``) -> ``fc1.weight``,
+    from Source objects (the local variable at the root is not part of the FQN)."""
     from torch._dynamo.source import AttrSource, DictGetItemSource, GetItemSource
 
     parts: list[str] = []
     for src in _chain(source):
         if isinstance(src, AttrSource):
-            if src.member not in _INTERNAL_ATTRS:
+            if src.member not in _INTERNAL_ATTRS and src.member != "__dict__":
                 parts.append(src.member)
+        elif _through_dict(src):
+            if src.index not in _INTERNAL_ATTRS:
+                parts.append(str(src.index))
         elif isinstance(src, (DictGetItemSource, GetItemSource)):
             parts.append(str(src.index))
     return ".".join(reversed(parts))
@@ -97,9 +122,8 @@ def _param_fqn(param: torch.Tensor, source: Any) -> str:
     """A parameter's FQN. Dynamo keeps the first source a frame reached a tensor through; when
     that was an optimizer (``opt.param_groups[0]['params'][3]``, a step that calls
     ``zero_grad()`` before the forward), the name comes from the frame's modules instead."""
-    from torch._dynamo.source import AttrSource
 
-    via_optimizer = any(isinstance(s, AttrSource) and s.member == "param_groups" for s in _chain(source))
+    via_optimizer = any(_module_internal(s, "param_groups") for s in _chain(source))
     name = frame.parameter_name(param) if via_optimizer else None
     return name if name is not None else source_fqn(source)
 
@@ -116,7 +140,7 @@ def _kind(example: Any, source: Any) -> str:
         return "grad"
     if any(isinstance(s, OptimizerSource) for s in chain):
         return "state"
-    if any(isinstance(s, AttrSource) and s.member == "_buffers" for s in chain):
+    if any(_module_internal(s, "_buffers") for s in chain):
         return "buffer"
     return "arg"
 
