@@ -70,6 +70,7 @@ from spmd_backend.dynamo import eager_guard, faults, frame, fresh_state, rnn_dro
 from spmd_backend.dynamo.collective_grads import eager_collective_gradients
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing import causal_mask
+from spmd_backend.tracing.decompositions import aten_kernels_kept
 from spmd_backend.tracing.hyperparams import warn_untrained_by_fused_kernel
 from spmd_backend.tracing.sharding import ShardSpec
 
@@ -422,7 +423,8 @@ def whole_step_scope() -> Iterator[None]:
     _state["active"] += 1
     try:
         with torch._dynamo.config.patch(trace_autograd_ops=True, allow_rnn=True), \
-                torch.backends.mkldnn.flags(enabled=False), eager_collective_gradients():
+                torch.backends.mkldnn.flags(enabled=False), eager_collective_gradients(), \
+                aten_kernels_kept():
             for owner, name, fn in patches:
                 setattr(owner, name, fn)
             yield

@@ -45,6 +45,7 @@ from spmd_backend.lowering.cat_layout import keep_cat_layouts
 from spmd_backend.lowering.fused_decomp import decompose_fused_optimizers
 from spmd_backend.lowering.scalar_chains import SCALAR_CHAIN_PASS
 from spmd_backend.parallel.gloo_all_gather import keeps_all_gathers_apart
+from spmd_backend.tracing.decompositions import aten_kernels_kept
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,8 @@ def compile_flat(flat_gm: fx.GraphModule, spec: Any, source: fx.GraphModule,
 
     stable_cache_keys()  # the same keys as a background worker's
     t0 = time.perf_counter()
-    with step_graph_config(flat_gm.graph), _settled_float_symbols(flat_gm, inputs):
+    with step_graph_config(flat_gm.graph), _settled_float_symbols(flat_gm, inputs), \
+            aten_kernels_kept():
         compiled = compile_fx(flat_gm, inputs)
     seconds = time.perf_counter() - t0
     log.info("Inductor compiled a %d-node graph in %.1fs", len(source.graph.nodes), seconds)

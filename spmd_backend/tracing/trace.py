@@ -45,6 +45,7 @@ from spmd_backend.tracing.bias_corrections import upcast_bias_corrections
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.causal_mask import traced_without_mask_decision
 from spmd_backend.tracing.data_assignment import data_assignment_as_copy
+from spmd_backend.tracing.decompositions import aten_kernels_kept
 from spmd_backend.tracing.dispatch import TraceContext
 from spmd_backend.tracing.errors import trace_error
 from spmd_backend.tracing.finish import finish_graph
@@ -135,7 +136,7 @@ def trace_train_step(
                 annotator.active(), torch.compiler._non_strict_tracing_context(), compiling(), \
                 refuse_scheduler_steps(), refuse_user_collectives(), traced_randomness(ctx.rng, random_generators(fn, binding.modules)), \
                 refuse_unbound_optimizers(binding.optimizer, binding.params), \
-                data_assignment_as_copy(), traced_without_mask_decision():
+                data_assignment_as_copy(), traced_without_mask_decision(), aten_kernels_kept():
             if symbolic is None:
                 gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(
                     *[t.detach() for t in real_inputs]
