@@ -254,13 +254,31 @@ def test_cyclic_lr_with_momentum_does_not_retrace(fake_pg):
     assert compiled.trace_count == 2  # bootstrap (momentum buffers) + the steady graph
 
 
-def test_lbfgs_is_refused_up_front(fake_pg):
+def _lbfgs_step(model, opt, x):
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    return opt.step(closure)
+
+
+@pytest.mark.parametrize("door", ["compile", "dynamo"])
+def test_lbfgs_is_refused_up_front(fake_pg, door):
+    """Until 2026-11-29 the Dynamo door ran LBFGS's first closure, wrote ``.grad`` and its
+    state, then failed on an eager gradient without naming the optimizer (hunt 41)."""
+    torch._dynamo.reset()
     model = nn.Linear(8, 2)
-    opt = torch.optim.LBFGS(model.parameters())
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(spmd_backend.SpmdUsageError, match="LBFGS cannot be compiled"):
-        spmd_backend.compile()(step)(model, opt, torch.randn(4, 8))
+    compiled = (spmd_backend.compile()(_lbfgs_step) if door == "compile" else
+                torch.compile(_lbfgs_step, backend="spmd", options={"inductor": False}))
+    with pytest.raises(Exception, match="LBFGS cannot be compiled") as info:
+        compiled(model, opt, torch.randn(4, 8))
+    assert isinstance(getattr(info.value, "inner_exception", info.value), spmd_backend.SpmdUsageError)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
 
 
 @pytest.mark.parametrize("foreach", [False, True])

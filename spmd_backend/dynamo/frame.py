@@ -117,6 +117,25 @@ def refuse_ddp_wrapper(values: list[Any]) -> Exception | None:
     return None
 
 
+def refuse_lbfgs(values: list[Any]) -> Exception | None:
+    """The error for a ``torch.optim.LBFGS`` among ``values``, else None.
+
+    Its ``step(closure)`` re-runs forward and backward a data-dependent number of times;
+    Dynamo splits it into pieces that run partly eagerly, so the step ran its first forward
+    and backward, wrote ``.grad`` and LBFGS's state, and then failed on an eager gradient
+    without naming the optimizer (hunt 41). Refused before anything of the frame runs, as the
+    compile door refuses it."""
+    for v in values:
+        if _is(v, (torch.optim.LBFGS,)):
+            return SpmdUsageError(
+                'backend="spmd": torch.optim.LBFGS cannot be compiled into a train step: its '
+                "step() calls a closure that re-runs forward and backward a data-dependent "
+                "number of times (line search, convergence tests on .item() values). Use a "
+                "first-order optimizer (SGD, Adam, AdamW, ...) or run LBFGS eagerly"
+            )
+    return None
+
+
 @contextlib.contextmanager
 def parameter_names(values: list[Any]) -> Iterator[None]:
     """While a frame is compiled: the FQN of every parameter of the modules among ``values``."""
