@@ -15,6 +15,7 @@ import torch.fx as fx
 from spmd_backend.errors import SpmdTraceError
 from spmd_backend.graph import ops
 from spmd_backend.graph.meta import (
+    FQN_KEY,
     INPUT_KIND_KEY,
     PARAM_NAME_KEY,
     Phase,
@@ -50,21 +51,28 @@ def _is_redundant_functional_copy(node: fx.Node) -> bool:
     )
 
 
+def _owner_label(fqn: str | None) -> str:
+    if fqn is None:
+        return "the step, outside the model"
+    return f"module {fqn!r}" if fqn else "the model's root module"
+
+
 def _refuse_effect_tokens(graph: fx.Graph, extra_inputs: int) -> None:
     """torch threads an effect token through ops it registers as side-effecting (the matrix
     check in the backward of ``torch.linalg.solve``/``inv``): an input and an output of the
     graph this tracer does not plan. Refused naming the ops (until 2026-11-28: an internal
     placeholder-count error; hunt 36, peft's BOFT)."""
-    effectful = sorted({
-        str(n.args[1]) for n in graph.nodes
-        if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects
-    })
+    nodes = [n for n in graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects]
+    effectful = sorted({str(n.args[1]) for n in nodes})
     if effectful and extra_inputs > 0:
+        owners = sorted({_owner_label(n.meta.get(FQN_KEY)) for n in nodes})
         raise SpmdTraceError(
-            f"spmd_backend.compile cannot trace {', '.join(effectful)}: torch orders it with an "
-            "effect token (torch.linalg.solve and torch.linalg.inv check their matrix so in "
-            'backward); compile the step with torch.compile(step, backend="spmd"), which '
-            "handles the token. Nothing was changed."
+            f"spmd_backend.compile cannot trace {', '.join(effectful)} (in "
+            f"{', '.join(owners)}): torch orders it with an effect token "
+            "(torch.linalg functions such as solve, inv and cholesky check their matrix so, "
+            'in forward or backward); compile the step with torch.compile(step, backend="spmd"), '
+            "which handles the token. Nothing was changed."
         )
 
 
