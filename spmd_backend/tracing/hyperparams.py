@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 HyperSlot = tuple[int, str, "int | None"]
 
@@ -137,7 +138,9 @@ def _can_default_to_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any
     torch picks the single-tensor loop on CPU for eager speed; in a compiled graph one fused
     kernel is both faster and far cheaper to trace, so an unspecified implementation is traced
     as fused where the kernel supports every parameter and traces (:data:`FUSED_BY_DEFAULT`)
-    and every parameter is float32 or float64 (:data:`_FUSED_DEFAULT_DTYPES`).
+    and every parameter is float32 or float64 (:data:`_FUSED_DEFAULT_DTYPES`) and dense (a
+    strided view, ``nn.Parameter(t[:, ::2])``, is not: the in-place kernel the passes make of
+    the update walks each tensor as one flat array, and the pass manager refused the graph).
     Explicit choices are respected.
     """
     if _torch_class(optimizer) not in FUSED_BY_DEFAULT:
@@ -150,7 +153,8 @@ def _can_default_to_fused(optimizer: torch.optim.Optimizer, group: dict[str, Any
         return False
     supported = _fused_supported_devices()
     return all(
-        p.dtype in _FUSED_DEFAULT_DTYPES and p.device.type in supported for p in group["params"]
+        p.dtype in _FUSED_DEFAULT_DTYPES and p.device.type in supported
+        and is_non_overlapping_and_dense_or_false(p) for p in group["params"]
     )
 
 
