@@ -169,6 +169,25 @@ def test_fused_with_float64_lr_is_bitwise_eager(fake_pg, name):
         assert torch.equal(_state(model, opt)[k], v), k
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "Adamax"])
+def test_foreach_on_a_float64_model_keeps_float64_step_sizes(fake_pg, name):
+    """Traced in its capturable form, foreach Adam divides a float32 temporary by the float64
+    lr in place; the cast back rounded the step size of a float64 model to float32 (6e-8 off
+    eager after three steps until 2026-11-29, verify 40). Eager computes it in Python doubles."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    twin = copy.deepcopy(model)
+    cls = getattr(torch.optim, name)
+    opt, ref = (cls(m.parameters(), lr=0.01, foreach=True) for m in (model, twin))
+    compiled = spmd_backend.compile()(step)
+    for i in range(4):
+        x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        compiled(model, opt, x)
+        step(twin, ref, x)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
+
+
 def test_zero_tests_guard_the_sign(fake_pg, caplog):
     torch.manual_seed(0)
     model = nn.Linear(8, 2)
