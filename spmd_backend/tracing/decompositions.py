@@ -7,7 +7,9 @@ term per padded slot (each scoring label 0 against every class), so with fewer l
 classes, the loss's normal use, the value and its gradient are wrong (a loss of 3.14 where eager
 gives 1.26; stock ``torch.compile`` too). It is registered twice: as the op's Python kernel at
 the Autograd key, which runs under the Python dispatcher (AOTAutograd in the Dynamo door and in
-Inductor's compile, the compile door's symbolic trace), and in Inductor's decomposition table.
+Inductor's compile, the compile door's symbolic trace), and in Inductor's decomposition table
+and the copy of it Inductor builds at a process's first compile (review 42: an Inductor compile
+before the first spmd step had built that copy with the op, and the fix was bypassed).
 ``backend="spmd"`` trained such a model 1.5 off DDP, and an Inductor-lowered compile-door step
 returned the wrong loss (hunt 41, 2026-11-29).
 
@@ -58,10 +60,13 @@ def _backward_shape(grad_output: torch.Tensor, self: torch.Tensor, *args: Any) -
     return self.new_empty(self.shape)
 
 
-def _inductor_table() -> dict[Any, Any]:
+def _inductor_tables() -> list[dict[Any, Any]]:
+    """Inductor's decomposition table and the copy ``select_decomp_table`` hands out (built
+    once per process by ``fast_random_decomps``, a cached function: built here, before
+    anything is removed, so that it holds what torch registered)."""
     from torch._inductor import decomposition
 
-    return decomposition.decompositions
+    return [decomposition.decompositions, decomposition.fast_random_decomps()]
 
 
 @contextlib.contextmanager
@@ -77,11 +82,12 @@ def aten_kernels_kept() -> Iterator[None]:
         return
     from torch._decomp import decomposition_table
 
-    table = _inductor_table()
-    saved: list[tuple[torch._ops.OpOverload, Any, Any]] = []
+    tables = _inductor_tables()
+    saved: list[tuple[torch._ops.OpOverload, Any, list[Any]]] = []
     added = [op for op in _BACKWARDS.values() if op not in decomposition_table]
     for op in WRONG_DECOMPOSITIONS:
-        saved.append((op, op.py_kernels.pop(DispatchKey.Autograd, None), table.pop(op, None)))
+        saved.append((op, op.py_kernels.pop(DispatchKey.Autograd, None),
+                      [table.pop(op, None) for table in tables]))
         op._dispatch_cache.clear()
     for op in added:  # read by FakeTensorMode for symbolic sizes only
         decomposition_table[op] = _backward_shape
@@ -90,11 +96,12 @@ def aten_kernels_kept() -> Iterator[None]:
         yield
     finally:
         _depth[0] = 0
-        for op, kernel, decomposition in saved:
+        for op, kernel, decompositions in saved:
             if kernel is not None:
                 op.py_kernels[DispatchKey.Autograd] = kernel
-            if decomposition is not None:
-                table[op] = decomposition
+            for table, decomposition in zip(tables, decompositions):
+                if decomposition is not None:
+                    table[op] = decomposition
             op._dispatch_cache.clear()
         for op in added:
             decomposition_table.pop(op, None)
