@@ -136,6 +136,25 @@ def refuse_lbfgs(values: list[Any]) -> Exception | None:
     return None
 
 
+def refuse_lazy_modules(values: list[Any]) -> Exception | None:
+    """The error for a module among ``values`` with parameters or buffers a lazy module has not
+    sized yet (``nn.LazyLinear`` before its first forward), else None. Dynamo failed inside
+    itself on them (an ``InternalTorchDynamoError``, hunt 41); DDP refuses them too."""
+    for v in values:
+        if not _is(v, (torch.nn.Module,)):
+            continue
+        lazy = [name for name, t in (*v.named_parameters(), *v.named_buffers())
+                if torch.nn.parameter.is_lazy(t)]
+        if lazy:
+            return SpmdUsageError(
+                f'backend="spmd": {", ".join(lazy)} are not initialized yet (a lazy module, '
+                "torch.nn.LazyLinear and friends, sizes them in its first forward). Run one "
+                "forward on a batch before compiling and before creating the optimizer, as "
+                "torch recommends for lazy modules"
+            )
+    return None
+
+
 @contextlib.contextmanager
 def parameter_names(values: list[Any]) -> Iterator[None]:
     """While a frame is compiled: the FQN of every parameter of the modules among ``values``."""

@@ -477,7 +477,8 @@ def install() -> bool:
             faults.OPTIMIZER_PARAMS.clear()  # this frame's: filled while it is traced
             optimizers = fresh_state.optimizers_of_frame(code, locals, globals, closure)
             _sharding = _Sharding(*(sharded_update.spec_for(options) or (None, None)))
-            refused = frame.refuse_ddp_wrapper(values) or frame.refuse_lbfgs(values)
+            refused = (frame.refuse_ddp_wrapper(values) or frame.refuse_lbfgs(values)
+                       or frame.refuse_lazy_modules(values))
             if refused is not None:  # before anything of the frame runs; Dynamo passes a
                 # backend's failure through (anything else it reports as its own internal error)
                 from torch._dynamo.exc import BackendCompilerFailed
