@@ -155,6 +155,17 @@ def refuse_lazy_modules(values: list[Any]) -> Exception | None:
     return None
 
 
+def refuse_frame(values: list[Any], compiler_fn: Any) -> None:
+    """Raise the first refusal of a frame reaching ``values``, before anything of it runs, as a
+    backend failure (Dynamo passes that through; anything else it reports as its own internal
+    error)."""
+    refused = refuse_ddp_wrapper(values) or refuse_lbfgs(values) or refuse_lazy_modules(values)
+    if refused is not None:
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        raise BackendCompilerFailed(compiler_fn, refused, None)
+
+
 @contextlib.contextmanager
 def parameter_names(values: list[Any]) -> Iterator[None]:
     """While a frame is compiled: the FQN of every parameter of the modules among ``values``."""

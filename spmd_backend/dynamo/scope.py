@@ -111,7 +111,7 @@ def _innermost(compiler_fn: Any) -> Any:
     except Exception:  # noqa: BLE001 - anything unexpected: not ours
         return None
     # a frame that uses a DistributedDataParallel module: Dynamo's DDPOptimizer wraps the
-    # backend (its bound compile_fn); the frame is refused (frame.refuse_ddp_wrapper)
+    # backend (its bound compile_fn); the frame is refused (frame.refuse_frame)
     wrapped = getattr(getattr(fn, "__self__", None), "backend_compile_fn", None)
     return _innermost(wrapped) if wrapped is not None else fn
 
@@ -477,13 +477,7 @@ def install() -> bool:
             faults.OPTIMIZER_PARAMS.clear()  # this frame's: filled while it is traced
             optimizers = fresh_state.optimizers_of_frame(code, locals, globals, closure)
             _sharding = _Sharding(*(sharded_update.spec_for(options) or (None, None)))
-            refused = (frame.refuse_ddp_wrapper(values) or frame.refuse_lbfgs(values)
-                       or frame.refuse_lazy_modules(values))
-            if refused is not None:  # before anything of the frame runs; Dynamo passes a
-                # backend's failure through (anything else it reports as its own internal error)
-                from torch._dynamo.exc import BackendCompilerFailed
-
-                raise BackendCompilerFailed(compiler_fn, refused, None)
+            frame.refuse_frame(values, compiler_fn)
             _sharding.created = fresh_state.create_fresh_state(optimizers)
             try:
                 _prepare_sharding(optimizers)
