@@ -188,14 +188,16 @@ def compile_flat(flat_gm: fx.GraphModule, spec: Any, source: fx.GraphModule,
 
 
 def _float_symbols(value: Any) -> set[Any]:
+    """The float symbols ``value`` (a node's fake value) refers to."""
     from torch.utils._sympy.symbol import SymT, symbol_is_type
 
     exprs = []
-    if isinstance(value, (torch.SymFloat, torch.SymInt, torch.SymBool)):
-        exprs.append(value.node.expr)
-    elif isinstance(value, torch.Tensor):
-        exprs.extend(d.node.expr for d in (*value.shape, *value.stride())
-                     if isinstance(d, torch.SymInt))
+    for leaf in pytree.tree_leaves(value):  # a node's value, or the list a foreach op returns
+        if isinstance(leaf, (torch.SymFloat, torch.SymInt, torch.SymBool)):
+            exprs.append(leaf.node.expr)
+        elif isinstance(leaf, torch.Tensor):
+            exprs.extend(d.node.expr for d in (*leaf.shape, *leaf.stride())
+                         if isinstance(d, torch.SymInt))
     return {s for e in exprs for s in getattr(e, "free_symbols", ())
             if symbol_is_type(s, SymT.FLOAT)}
 
