@@ -187,7 +187,7 @@ def _mode_switch_job(rank: int, world: int) -> dict[str, float]:
 def test_a_mode_switch_inside_the_step_keeps_the_buffer_broadcast(rank_pool):
     """``model.train()``/``model.eval()`` inside the step makes Dynamo reach module state through
     ``__dict__`` (``model.__dict__['_modules']['1'].__dict__['_buffers']['running_mean']``).
-    Until 2026-11-29 such buffers were taken for plain arguments and never broadcast: rank 1
+    Until 2026-11-28 such buffers were taken for plain arguments and never broadcast: rank 1
     kept its own BatchNorm statistics (0.275 off DDP), and an eval-mode pass inside the step
     read them (parameters 1e-2 off DDP after four steps), silently."""
     for worst in rank_pool.run(_mode_switch_job):

@@ -291,7 +291,7 @@ def test_a_bfloat16_adam_under_one_cycle_uses_each_calls_betas(fake_pg, monkeypa
 def test_inductor_compiles_a_per_call_schedule_in_this_process(fake_pg, caplog, case):
     """Compiled in this process (``background_compile=False``), the graph came with Dynamo's
     fake tensors, whose shape environment still held the lr's float symbol: compile_fx's
-    tensorify pass asked for a Dynamo restart it could not get, and until 2026-11-29 every
+    tensorify pass asked for a Dynamo restart it could not get, and until 2026-11-28 every
     single-tensor optimizer under a scheduler ran as an fx graph, with only a warning
     (lowering/inductor.py ``_settled_float_symbols``)."""
     import logging

@@ -72,7 +72,7 @@ def adaptive_weight_step(model, opt, x):
 STEPS = {
     "input": input_penalty_step,
     "parameters": parameter_penalty_step,
-    # until 2026-11-29 the compile door marked a parameter that already held a .grad with a
+    # until 2026-11-28 the compile door marked a parameter that already held a .grad with a
     # tensor hook, which also ran for torch.autograd.grad: from the second call the adaptive
     # weight was computed from reduced gradients (silently off DDP) and the penalty's
     # double backward failed on the marker

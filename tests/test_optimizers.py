@@ -173,7 +173,7 @@ def test_fused_with_float64_lr_is_bitwise_eager(fake_pg, name):
 def test_foreach_on_a_float64_model_keeps_float64_step_sizes(fake_pg, name):
     """Traced in its capturable form, foreach Adam divides a float32 temporary by the float64
     lr in place; the cast back rounded the step size of a float64 model to float32 (6e-8 off
-    eager after three steps until 2026-11-29, verify 40). Eager computes it in Python doubles."""
+    eager after three steps until 2026-11-28, verify 40). Eager computes it in Python doubles."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
     twin = copy.deepcopy(model)
@@ -285,7 +285,7 @@ def _lbfgs_step(model, opt, x):
 
 @pytest.mark.parametrize("door", ["compile", "dynamo"])
 def test_lbfgs_is_refused_up_front(fake_pg, door):
-    """Until 2026-11-29 the Dynamo door ran LBFGS's first closure, wrote ``.grad`` and its
+    """Until 2026-11-28 the Dynamo door ran LBFGS's first closure, wrote ``.grad`` and its
     state, then failed on an eager gradient without naming the optimizer (hunt 41)."""
     torch._dynamo.reset()
     model = nn.Linear(8, 2)

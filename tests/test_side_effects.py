@@ -347,7 +347,7 @@ def test_a_buffer_the_step_registers_is_registered_as_eager_does(fake_pg):
 @pytest.mark.parametrize("door", ["compile", "dynamo"])
 def test_a_lazy_module_not_yet_run_is_refused_naming_its_parameters(fake_pg, door):
     """The Dynamo door failed inside Dynamo ('UserDefinedObjectVariable' object has no attribute
-    'proxy') until 2026-11-29 (hunt 41)."""
+    'proxy') until 2026-11-28 (hunt 41)."""
     def compiled():
         torch._dynamo.reset()
         return (spmd_backend.compile()(plain_step) if door == "compile" else

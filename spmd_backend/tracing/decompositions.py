@@ -11,7 +11,7 @@ Inductor's compile, the compile door's symbolic trace), and in Inductor's decomp
 and the copy of it Inductor builds at a process's first compile (review 42: an Inductor compile
 before the first spmd step had built that copy with the op, and the fix was bypassed).
 ``backend="spmd"`` trained such a model 1.5 off DDP, and an Inductor-lowered compile-door step
-returned the wrong loss (hunt 41, 2026-11-29).
+returned the wrong loss (hunt 41, 2026-11-28).
 
 :func:`aten_kernels_kept` removes both registrations while it is active, so the op stays one
 aten op with its derivative from ``derivatives.yaml`` (``multilabel_margin_loss_backward``),
