@@ -14,6 +14,7 @@ do about it. :func:`user_frame` gives that innermost line for any stack.
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -125,6 +126,17 @@ def trace_error(e: Exception, fn: Callable[..., Any]) -> SpmdTraceError:
             "it (the parameters are the same on every rank after the step, so is each rank's "
             'average), or compile the step with torch.compile(step, backend="spmd"), which runs '
             f"the update between its graphs. ({type(e).__name__}: {msg.splitlines()[0][:200]})"
+        )
+    if re.search(r"backward through spmd_backend\.grad_(ready|contribution)", msg):
+        # backward(create_graph=True), then a term of p.grad: the gradient it differentiates is
+        # the one backward() accumulated, which the step reduces across ranks
+        return SpmdTraceError(
+            f"the train step differentiates a gradient that backward() accumulated into .grad{at} "
+            "(loss.backward(create_graph=True), then a penalty on p.grad): that gradient is the "
+            "one reduced across ranks, and neither this backend nor DDP differentiates through "
+            "the reduction. Compute the penalty's gradient with torch.autograd.grad(loss, "
+            "params, create_graph=True), which stays this rank's own and matches DDP. Nothing "
+            "was changed."
         )
     if "Please convert all Tensors to FakeTensors" in msg:
         return SpmdTraceError(
