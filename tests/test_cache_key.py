@@ -212,6 +212,125 @@ def test_functions_sets_and_nested_options_are_part_of_the_key(fake_pg, caplog, 
         torch.testing.assert_close(p, q)
 
 
+class Kept(nn.Module):
+    """Settings the key missed until 2026-11-28 (hunt 45): a numpy scalar, a list inside a dict,
+    a private list, and a parameter-free submodule that can be swapped for another class."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.act = nn.ReLU()
+        self.gain = np.float32(1.0)
+        self.cfg = {"scales": [1.0, 2.0]}
+        self._w = [1.0]
+
+    def forward(self, x):
+        return self.act(self.a(x)) * float(self.gain) * self.cfg["scales"][0] * self._w[0]
+
+
+def _set_gain(m):
+    import numpy as np
+
+    m.gain = np.float32(3.0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (_set_gain, "attribute <root>.gain changed from ('numpy', 'float32', 1.0) to "
+                "('numpy', 'float32', 3.0)"),
+    (lambda m: m.cfg["scales"].__setitem__(0, 3.0), "attribute <root>.cfg changed"),
+    (lambda m: m._w.__setitem__(0, 3.0), "attribute <root>._w changed from [1.0] to [3.0]"),
+    (lambda m: setattr(m, "act", nn.SiLU()), "attribute act.__class__ changed from"),
+])
+def test_numpy_nested_private_and_class_facts_are_part_of_the_key(fake_pg, caplog, change,
+                                                                  message):
+    """Each replayed the old value, silently (0.008-0.027 off eager after one or two calls)."""
+    torch.manual_seed(0)
+    model, twin, opt, twin_opt, compiled, x = _compiled_and_eager_twin(Kept())
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        change(model)
+        change(twin)
+        torch.testing.assert_close(compiled(model, opt, x), step(twin, twin_opt, x))
+    (retrace,) = retrace_messages(caplog)
+    assert retrace.startswith(f"spmd_backend: retracing train_step: {message}"), retrace
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def _linear_twins(fn):
+    """A linear model, its eager twin, their SGDs and ``fn`` compiled."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    return model, twin, opt, twin_opt, spmd_backend.compile()(fn)
+
+
+def options_step(model, optim, x, opts):
+    """A step configured by an object argument holding a loss function."""
+    loss = opts.loss(model(x), torch.zeros(x.shape[0], 2)) * opts.w
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+class _Double(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.nn.functional.linear else out
+
+
+def test_object_arguments_defaults_and_function_modes_are_part_of_the_key(fake_pg):
+    """Keyed by identity only, an object argument changed in place (``argparse.Namespace``,
+    ``SimpleNamespace``) and a new ``functools.partial`` landing at a freed address replayed
+    the old graph; a mutable default and a TorchFunctionMode around the call were not keyed at
+    all (hunt 45: 0.005-0.45 off eager)."""
+    import functools
+
+    import torch.nn.functional as F
+
+    model, twin, opt, twin_opt, compiled = _linear_twins(options_step)
+    opts = types.SimpleNamespace(w=1.0, loss=functools.partial(F.smooth_l1_loss, beta=1.0))
+    changes = [
+        lambda: None,
+        lambda: setattr(opts, "w", 3.0),
+        lambda: setattr(opts, "loss", functools.partial(F.smooth_l1_loss, beta=0.1)),
+        lambda: setattr(opts, "loss", functools.partial(F.smooth_l1_loss, beta=2.0)),
+    ]
+    for i, change in enumerate(changes):
+        change()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(compiled(model, opt, x, opts), options_step(twin, twin_opt, x, opts),
+                                   msg=f"call {i}")
+    with _Double():  # entered around the call
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(compiled(model, opt, x, opts), options_step(twin, twin_opt, x, opts))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def _default_step(model, optim, x, cfg={"w": 1.0}):  # noqa: B006 - the mutable default is the case
+    loss = model(x).pow(2).mean() * cfg["w"]
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_a_default_changed_in_place_retraces(fake_pg, caplog):
+    model, twin, opt, twin_opt, compiled = _linear_twins(_default_step)
+    with caplog.at_level(logging.WARNING, logger="spmd_backend"):
+        for i in range(3):
+            if i == 2:
+                _default_step.__defaults__[0]["w"] = 3.0
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(compiled(model, opt, x), _default_step(twin, twin_opt, x))
+    _default_step.__defaults__[0]["w"] = 1.0
+    assert any("defaults changed" in m for m in retrace_messages(caplog)), caplog.text
+
+
 def test_float32_matmul_precision_is_part_of_the_key(fake_pg, caplog):
     """Inductor generates its matmuls for the precision set when it compiles (TF32 on GPUs): a
     precision changed between calls retraces instead of keeping the old kernels."""
@@ -397,11 +516,7 @@ def test_dataclass_batches_are_their_fields(fake_pg, caplog):
         optim.zero_grad()
         return loss
 
-    torch.manual_seed(0)
-    model = nn.Linear(8, 2)
-    twin = copy.deepcopy(model)
-    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
-    compiled = spmd_backend.compile()(dc_step)
+    model, twin, opt, twin_opt, compiled = _linear_twins(dc_step)
     with caplog.at_level(logging.WARNING, logger="spmd_backend"):
         for i in range(4):
             batch = Batch(torch.randn(4, 8), torch.randn(4, 2), 1.0 if i < 2 else 5.0)

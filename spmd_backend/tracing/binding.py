@@ -199,7 +199,12 @@ class StepBinding:
         """The plain values the step function reads from outside its arguments."""
         if self.fn is None:
             return ()
-        return free_values(self.fn, self.modules)
+        fn = getattr(self.fn, "__func__", self.fn)
+        # defaults the call did not pass (``def step(model, opt, x, cfg=CONF)``) are read like
+        # globals: until 2026-11-28 a default changed in place replayed the old value (hunt 45)
+        defaults = (("defaults", hashable(getattr(fn, "__defaults__", None))),
+                    ("kwdefaults", hashable(getattr(fn, "__kwdefaults__", None))))
+        return free_values(self.fn, self.modules) + defaults
 
     def key(self) -> StepKey:
         opt = self.optimizer

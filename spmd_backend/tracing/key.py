@@ -22,6 +22,7 @@ A compiled step is valid only for the facts its trace depended on. Those facts a
 from __future__ import annotations
 
 import enum
+import functools
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -82,7 +83,58 @@ def is_plain(value: Any) -> bool:
     return False
 
 
-def hashable(value: Any) -> Any:
+def numpy_scalar(value: Any) -> tuple | None:
+    """A numpy scalar (``np.float32(0.5)``, ``np.int64(3)``) keyed by its dtype and value, else
+    None (without importing numpy)."""
+    t = type(value)
+    if t.__module__ == "numpy" and getattr(value, "shape", None) == () and hasattr(value, "item"):
+        return ("numpy", str(value.dtype), value.item())
+    return None
+
+
+class SameObject:
+    """An object a key compares by identity. The key holds it, so its ``id`` cannot be reused
+    by another object while the key lives: keyed by the bare ``id``, a new
+    ``functools.partial`` made each call at a freed address replayed another one's graph
+    (hunt 45)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SameObject) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"<{type(self.obj).__qualname__} object at {id(self.obj):#x}>"
+
+
+#: attributes of an object argument keyed by value (a larger one is keyed by identity)
+MAX_OBJECT_FIELDS = 64
+
+
+def _object_fields(value: Any, depth: int) -> tuple | None:
+    """The attributes of a plain object argument (``types.SimpleNamespace``,
+    ``argparse.Namespace``, a user's options class) keyed by value, or None for anything else:
+    keyed by identity only, a field changed in place replayed the old value's graph (hunt 45)."""
+    if depth >= 4 or isinstance(value, (torch.nn.Module, torch.optim.Optimizer, type,
+                                        types.ModuleType, types.FunctionType,
+                                        types.MethodType, types.BuiltinFunctionType)):
+        return None
+    try:
+        attrs = vars(value)
+    except TypeError:
+        return None
+    if len(attrs) > MAX_OBJECT_FIELDS:
+        return None
+    return tuple((k, hashable(v, depth + 1)) for k, v in sorted(attrs.items()))
+
+
+def hashable(value: Any, _depth: int = 0) -> Any:
     """``value`` in a hashable form that compares equal exactly when the trace would agree."""
     t = type(value)
     if t in PLAIN_TYPE_SET:
@@ -92,10 +144,19 @@ def hashable(value: Any) -> Any:
     if is_plain(value):
         return value
     if issubclass(t, (list, tuple)):
-        return (t.__name__, tuple(hashable(v) for v in value))
+        return (t.__name__, tuple(hashable(v, _depth) for v in value))
     if issubclass(t, dict):
-        return ("dict", tuple((hashable(k), hashable(v)) for k, v in value.items()))
-    return ("object", t.__qualname__, id(value))
+        return ("dict", tuple((hashable(k, _depth), hashable(v, _depth)) for k, v in value.items()))
+    scalar = numpy_scalar(value)
+    if scalar is not None:
+        return scalar
+    if t is functools.partial:  # its settings live in func/args/keywords, not in vars()
+        return ("partial", hashable(value.func, _depth), hashable(value.args, _depth),
+                hashable(value.keywords, _depth))
+    fields = _object_fields(value, _depth)
+    if fields is not None:
+        return ("object", t.__qualname__, fields)
+    return ("object", t.__qualname__, SameObject(value))
 
 
 # ------------------------------------------------------------------ process-wide flags
@@ -120,6 +181,11 @@ _CONTEXT_PROBES: tuple[tuple[str, Any], ...] = (
     ("the SDPA backends (flash, mem_efficient, math, cudnn)", _sdp_flags),
     # Inductor bakes the matmul precision (TF32 on GPUs) into the kernels it generates
     ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision),
+    # a TorchFunctionMode entered around the call rewrites what the trace records (hunt 45:
+    # one doubling F.linear around later calls was ignored by the replay); keyed by class and
+    # attributes
+    ("the active TorchFunctionModes",
+     lambda: tuple(hashable(m) for m in torch.overrides._get_current_function_mode_stack())),
 )
 
 

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd_backend.tracing.key import PLAIN_TYPE_SET, hashable, is_plain, user_hooks
+from spmd_backend.tracing.key import (
+    PLAIN_TYPE_SET,
+    hashable,
+    is_plain,
+    numpy_scalar,
+    user_hooks,
+)
 
 
 def _hook_ids(module: nn.Module) -> tuple:
@@ -47,20 +53,40 @@ MAX_KEYED_CONTAINER = 256
 MAX_HELD_DEPTH = 3
 
 
-def _plain_container(value: Any) -> tuple | None:
+_NO_KEY = object()
+
+
+def _plain_item(value: Any, depth: int) -> Any:
+    """``value`` keyed by value if it is plain, a numpy scalar or a container of such (nested
+    up to three levels), else ``_NO_KEY``."""
+    if is_plain(value):
+        return value
+    scalar = numpy_scalar(value)
+    if scalar is not None:
+        return scalar
+    if depth < 3 and type(value) in (list, dict, set, tuple):
+        contents = _plain_container(value, depth + 1)
+        return _NO_KEY if contents is None else contents
+    return _NO_KEY
+
+
+def _plain_container(value: Any, depth: int = 0) -> tuple | None:
     """A list, dict or set of plain values (``self.mix = [0.3, 0.7]``,
-    ``self.cfg = {"scale": 2}``, ``self.skip = {"head"}``) as a hashable tuple; None when it
-    holds anything else or is long."""
+    ``self.cfg = {"scale": 2}``, ``self.skip = {"head"}``, nested ones such as
+    ``{"scales": [1, 2]}``, numpy scalars) as a hashable tuple; None when it holds anything
+    else or is long. (Until 2026-11-28 nested containers and numpy scalars were not keyed and
+    a change replayed the old value, hunt 45.)"""
     if len(value) > MAX_KEYED_CONTAINER:
         return None
-    if type(value) is list:
-        return ("list", tuple(value)) if all(is_plain(v) for v in value) else None
-    if type(value) is set:
-        return ("set", frozenset(value)) if all(is_plain(v) for v in value) else None
     if type(value) is dict:
-        items = tuple(value.items())
-        return ("dict", items) if all(is_plain(k) and is_plain(v) for k, v in items) else None
-    return None
+        items = tuple((_plain_item(k, depth), _plain_item(v, depth)) for k, v in value.items())
+        return None if any(_NO_KEY in kv for kv in items) else ("dict", items)
+    if type(value) not in (list, set, tuple):
+        return None
+    items = tuple(_plain_item(v, depth) for v in value)
+    if any(v is _NO_KEY for v in items):
+        return None
+    return ("set", frozenset(items)) if type(value) is set else (type(value).__name__, items)
 
 
 def _attributes(obj: Any) -> tuple[tuple, list[tuple[str, Any]]]:
@@ -73,15 +99,19 @@ def _attributes(obj: Any) -> tuple[tuple, list[tuple[str, Any]]]:
         if t in PLAIN_TYPE_SET:
             plain.append((k, v))
         elif t in _SKIPPED_TYPES:
-            # a module's own bookkeeping (``_parameters``, hooks) is private; a public list or
-            # dict of numbers is a setting the forward may read
-            if not k.startswith("_"):
-                contents = _plain_container(v)
-                if contents is not None:
-                    plain.append((k, contents))
+            # a list or dict of numbers, public or private (``self._w = [0.5]``), is a setting
+            # the forward may read; a module's own bookkeeping (``_parameters``, hooks) holds
+            # other objects and is not keyed here
+            contents = _plain_container(v)
+            if contents is not None:
+                plain.append((k, contents))
             continue
         elif is_plain(v):
             plain.append((k, v))
+        elif numpy_scalar(v) is not None:
+            plain.append((k, numpy_scalar(v)))
+        elif t is tuple and _plain_container(v) is not None:  # a tuple holding a list
+            plain.append((k, _plain_container(v)))
         elif _is_function(v):
             # an activation or helper held as an attribute (``self.act = F.gelu``): swapping
             # it changes the graph; keyed by identity
@@ -113,8 +143,8 @@ def _is_attribute_object(value: Any) -> bool:
 
 
 def module_state(modules: Sequence[tuple[str, nn.Module]]) -> tuple:
-    """Per module of ``modules`` (``named_modules()`` of the root): (fqn, plain attributes
-    including ``training``, hook ids); then the plain attributes of the objects modules hold
+    """Per module of ``modules`` (``named_modules()`` of the root): (fqn, its class and plain
+    attributes including ``training``, hook ids); then the plain attributes of the objects modules hold
     (a config), each once; then the global hooks."""
 
     rows = []
@@ -122,7 +152,9 @@ def module_state(modules: Sequence[tuple[str, nn.Module]]) -> tuple:
     pending: list[tuple[str, Any, int]] = []
     for name, mod in modules:
         plain, others = _attributes(mod)
-        rows.append((name, plain, _hook_ids(mod)))
+        # the class too: a parameter-free submodule swapped for another with the same
+        # attributes (ReLU for SiLU, hunt 45) must not replay the old one's graph
+        rows.append((name, (("__class__", type(mod)), *plain), _hook_ids(mod)))
         for attr, value in others:
             if id(value) not in seen and _is_attribute_object(value):
                 seen.add(id(value))
