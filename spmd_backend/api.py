@@ -427,6 +427,7 @@ class CompiledTrainStep:
 
     def _run(self, entry: CompiledGraph, binding: StepBinding, last_train_step: bool) -> Any:
         layout = entry.layout
+        layout.refuse_aliased_writes(binding)
         flat = layout.gather(binding, entry.hyper_cache)
         kwargs: dict[str, Any] = {}
         if last_train_step:

@@ -767,3 +767,28 @@ def test_ddp_wrapped_module_is_refused_naming_the_wrapper(fake_pg, door):
     # raised before Dynamo traces the frame, as a backend failure (BackendCompilerFailed)
     assert isinstance(getattr(info.value, "inner_exception", info.value), SpmdUsageError)
     assert_untouched(before, model, opt)
+
+
+def _scaling_step(model, opt, x, c):
+    c.mul_(0.5)  # the step writes its last argument in place
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_a_written_argument_sharing_memory_with_another_is_refused(fake_pg):
+    """``step(model, opt, x, x)`` for a step that scales its last argument in place: eager sees
+    the write through ``x``, the graph took them as separate inputs and replayed the unscaled
+    ``x``, silently, until 2026-11-28 (hunt 45). Separate tensors still run."""
+    model, opt = make()
+    compiled = spmd_backend.compile()(_scaling_step)
+    compiled(model, opt, torch.randn(2, 8), torch.ones(3))
+    x = torch.randn(2, 8)
+    before, kept = snapshot(model, opt), x.clone()
+    with pytest.raises(SpmdUsageError, match=r"writes args\[3\] in place, and args\[2\] shares "
+                                             r"its memory"):
+        compiled(model, opt, x, x)
+    assert_untouched(before, model, opt)
+    assert torch.equal(x, kept)

@@ -33,6 +33,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.utils._pytree as pytree
 
+from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.binding import StepBinding
 from spmd_backend.tracing.hyperparams import HyperSlot, gather_hyperparameters
 from spmd_backend.tracing.side_effects import AttributeEffect, BufferEffect, Effect
@@ -133,6 +134,30 @@ class StepLayout:
         return flat
 
     # ------------------------------------------------------------------ outputs
+    def refuse_aliased_writes(self, binding: StepBinding) -> None:
+        """Refuse a call where a tensor argument the step writes in place shares memory with
+        another tensor argument (``step(model, opt, x, x)`` for a step that scales its last
+        argument in place). The graph takes each argument as an input of its own, so the other
+        would not see the write that eager makes visible through it: until 2026-11-28 such a
+        call replayed as if the tensors were separate, silently (hunt 45)."""
+        written = {self.arg_inputs[j] for kind, j in self.mutated_outputs if kind == "args"}
+        if not written:
+            return
+        leaves = binding.flat_args
+        for w in sorted(written):
+            storage = leaves[w].untyped_storage()
+            for i in self.arg_inputs:
+                if i != w and leaves[i].untyped_storage().data_ptr() == storage.data_ptr() \
+                        and storage.nbytes():
+                    paths = binding.arg_paths()
+                    raise SpmdUsageError(
+                        f"spmd_backend.compile: the train step writes {paths[w]} in place, and "
+                        f"{paths[i]} shares its memory (the same tensor, or a view of it); the "
+                        "compiled graph takes them as separate inputs, so the write would not "
+                        "reach the other as it does in eager. Pass a copy (x.clone()) or one "
+                        "tensor. Nothing was changed."
+                    )
+
     def commit(self, binding: StepBinding, outs: Sequence[Any]) -> Any:
         """Write a run's outputs back (optimizer state entries, ``.grad``) and return the
         user's result rebuilt from ``outs``."""
