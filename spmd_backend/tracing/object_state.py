@@ -78,15 +78,20 @@ def _plain_container(value: Any, depth: int = 0) -> tuple | None:
     a change replayed the old value, hunt 45.)"""
     if len(value) > MAX_KEYED_CONTAINER:
         return None
-    if type(value) is dict:
-        items = tuple((_plain_item(k, depth), _plain_item(v, depth)) for k, v in value.items())
-        return None if any(_NO_KEY in kv for kv in items) else ("dict", items)
-    if type(value) not in (list, set, tuple):
+    t = type(value)
+    if t is not dict and t not in (list, set, tuple):
         return None
-    items = tuple(_plain_item(v, depth) for v in value)
-    if any(v is _NO_KEY for v in items):
-        return None
-    return ("set", frozenset(items)) if type(value) is set else (type(value).__name__, items)
+    entries = value.items() if t is dict else ((None, v) for v in value)
+    items = []
+    for k, v in entries:  # stops at the first entry it cannot key (a module's _parameters)
+        key = _plain_item(k, depth)
+        item = _plain_item(v, depth)
+        if key is _NO_KEY or item is _NO_KEY:
+            return None
+        items.append((key, item) if t is dict else item)
+    if t is dict:
+        return ("dict", tuple(items))
+    return ("set", frozenset(items)) if t is set else (t.__name__, tuple(items))
 
 
 def _attributes(obj: Any) -> tuple[tuple, list[tuple[str, Any]]]:
