@@ -26,7 +26,7 @@ from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.buffer_views import find_buffer_views
 from spmd_backend.tracing.free_values import free_values
 from spmd_backend.tracing.hyperparams import HyperSlot, lifted_slots
-from spmd_backend.tracing.key import StepKey, global_context, hashable, layout, tensor_spec
+from spmd_backend.tracing.key import StepKey, global_context, layout
 from spmd_backend.tracing.object_state import (
     module_state,
     optimizer_attributes,
@@ -34,6 +34,7 @@ from spmd_backend.tracing.object_state import (
     plain_attributes,
 )
 from spmd_backend.tracing.tracked import adapt_user_dicts, tree_key_path
+from spmd_backend.tracing.values import hashable, tensor_spec
 
 #: attribute ``mark_dynamic`` sets on a tensor: the dims traced symbolically
 DYNAMIC_DIMS_ATTR = "_spmd_dynamic_dims"

@@ -60,8 +60,9 @@ import torch.nn as nn
 from torch.amp import GradScaler
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from spmd_backend.tracing.key import hashable, is_plain, user_hooks
+from spmd_backend.tracing.key import user_hooks
 from spmd_backend.tracing.object_state import module_state
+from spmd_backend.tracing.values import hashable, is_plain
 
 #: attribute hops followed from a global or closure variable (``cfg.train.clip`` is two; an
 #: entry of a list or dict is a hop too)

@@ -25,13 +25,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from spmd_backend.tracing.key import (
-    PLAIN_TYPE_SET,
-    hashable,
-    is_plain,
-    numpy_scalar,
-    user_hooks,
-)
+from spmd_backend.tracing.key import user_hooks
+from spmd_backend.tracing.values import PLAIN_TYPE_SET, hashable, is_plain, numpy_scalar
 
 
 def _hook_ids(module: nn.Module) -> tuple:

@@ -60,7 +60,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.free_values import is_user_class
-from spmd_backend.tracing.key import is_plain
+from spmd_backend.tracing.values import is_plain
 
 #: container levels followed below a module attribute, an argument or an outside object
 MAX_DEPTH = 3

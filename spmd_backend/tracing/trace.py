@@ -51,7 +51,7 @@ from spmd_backend.tracing.errors import trace_error
 from spmd_backend.tracing.finish import finish_graph
 from spmd_backend.tracing.free_values import random_generators
 from spmd_backend.tracing.hyperparams import slot_label
-from spmd_backend.tracing.key import Guard, hashable
+from spmd_backend.tracing.key import Guard
 from spmd_backend.tracing.layout import StepLayout, plan_inputs
 from spmd_backend.tracing.overrides import Override, swapped_submodules
 from spmd_backend.tracing.random_state import RandomReplay, traced_randomness
@@ -62,6 +62,7 @@ from spmd_backend.tracing.step_function import StepFunction
 from spmd_backend.tracing.tracked import ReadRecorder
 from spmd_backend.tracing.unbound_optimizers import refuse_unbound_optimizers
 from spmd_backend.tracing.user_collectives import refuse_user_collectives
+from spmd_backend.tracing.values import hashable
 
 log = logging.getLogger(__name__)
 
