@@ -24,7 +24,7 @@ from torch.utils._pytree import GetAttrKey
 
 from spmd_backend.errors import SpmdUsageError
 from spmd_backend.tracing.buffer_views import find_buffer_views
-from spmd_backend.tracing.free_values import free_values
+from spmd_backend.tracing.free_values import free_values, step_defaults
 from spmd_backend.tracing.hyperparams import HyperSlot, lifted_slots
 from spmd_backend.tracing.key import StepKey, global_context, layout
 from spmd_backend.tracing.object_state import (
@@ -200,12 +200,7 @@ class StepBinding:
         """The plain values the step function reads from outside its arguments."""
         if self.fn is None:
             return ()
-        fn = getattr(self.fn, "__func__", self.fn)
-        # defaults the call did not pass (``def step(model, opt, x, cfg=CONF)``) are read like
-        # globals: until 2026-11-28 a default changed in place replayed the old value (hunt 45)
-        defaults = (("defaults", hashable(getattr(fn, "__defaults__", None))),
-                    ("kwdefaults", hashable(getattr(fn, "__kwdefaults__", None))))
-        return free_values(self.fn, self.modules) + defaults
+        return free_values(self.fn, self.modules) + step_defaults(self.fn)
 
     def key(self) -> StepKey:
         opt = self.optimizer

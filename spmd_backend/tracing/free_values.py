@@ -379,6 +379,15 @@ def free_values(
     return tuple(_walk(fn, modules).out)
 
 
+def step_defaults(fn: Callable[..., Any]) -> tuple[tuple[str, Any], ...]:
+    """``(label, hashable value)`` of the step's own defaults, which a call that does not pass
+    them reads like globals (until 2026-11-28 a default changed in place,
+    ``def step(..., cfg=CONF)``, replayed the old value; hunt 45)."""
+    inner = getattr(fn, "__func__", fn)
+    return (("defaults", hashable(getattr(inner, "__defaults__", None))),
+            ("kwdefaults", hashable(getattr(inner, "__kwdefaults__", None))))
+
+
 def mutable_objects(
     fn: Callable[..., Any], modules: Sequence[tuple[str, nn.Module]] = ()
 ) -> list[tuple[str, Any]]:

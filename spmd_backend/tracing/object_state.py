@@ -108,10 +108,10 @@ def _attributes(obj: Any) -> tuple[tuple, list[tuple[str, Any]]]:
             continue
         elif is_plain(v):
             plain.append((k, v))
-        elif numpy_scalar(v) is not None:
-            plain.append((k, numpy_scalar(v)))
-        elif t is tuple and _plain_container(v) is not None:  # a tuple holding a list
-            plain.append((k, _plain_container(v)))
+        elif (scalar := numpy_scalar(v)) is not None:
+            plain.append((k, scalar))
+        elif t is tuple and (contents := _plain_container(v)) is not None:  # holding a list
+            plain.append((k, contents))
         elif _is_function(v):
             # an activation or helper held as an attribute (``self.act = F.gelu``): swapping
             # it changes the graph; keyed by identity
